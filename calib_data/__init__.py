@@ -1,0 +1,1 @@
+"""The bundled calibration and held-out evaluation text (see SOURCES.md)."""

@@ -1,0 +1,35 @@
+"""ptq: post-training quantization for large language models.
+
+    import ptq
+    model, tokenizer = ptq.load_model()                  # the bundled tiny Llama
+    ptq.quantize(model, "recipes/w4a16-gptq.yaml", tokenizer=tokenizer)   # in place
+    ptq.save(model, "out/tiny-w4a16", tokenizer=tokenizer)
+    quantized = ptq.load("out/tiny-w4a16")
+    print(ptq.evaluate(quantized, ptq.eval_windows(tokenizer)).perplexity)
+"""
+
+from ptq.checkpoint.reader import load
+from ptq.checkpoint.writer import save
+from ptq.errors import PtqError
+from ptq.evaluate import EvalResult, eval_windows, evaluate
+from ptq.models import load_model
+from ptq.pipeline import quantize
+from ptq.recipe import Recipe, load_recipe
+from ptq.schemes import PRESETS, QuantArgs, Scheme
+
+__all__ = [
+    "PRESETS",
+    "EvalResult",
+    "PtqError",
+    "QuantArgs",
+    "Recipe",
+    "Scheme",
+    "eval_windows",
+    "evaluate",
+    "load",
+    "load_model",
+    "load_recipe",
+    "quantize",
+    "save",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Quantization algorithms: pure functions over tensors."""

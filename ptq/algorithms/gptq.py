@@ -1,0 +1,313 @@
+"""GPTQ: quantize a weight column by column, feeding each column's rounding error forward.
+
+Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers" (2022), Algorithm 1. For each row w of W [out, in] it minimises the layer's
+output error ½ (w - ŵ) H (w - ŵ)ᵀ, H = 2/N Σ x xᵀ, one input column at a time: column q is
+rounded, and its error, divided by the diagonal of the upper Cholesky factor of H⁻¹, moves
+the columns not yet rounded. Updates are applied lazily: inside a block of `block_size`
+columns right away, to the columns after the block once per block.
+
+Layout: the working copy of W is kept transposed (`Wt`, [in, out]) so that the column being
+rounded is a contiguous row; positions count columns in processing order, which with
+activation order is the order of descending diag(H).
+
+Each column is rounded with exactly the scale (already rounded to the scale dtype) and zero
+point that the returned QuantizedWeight holds, and dequantized as `dequantize` does, so
+`result.weight.dequantize()` is bit for bit the weight GPTQ fed its error forward from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ptq.algorithms.rtn import rtn
+from ptq.primitives import FP8_DTYPE, FP8_MAX, QuantizedWeight, num_groups, qparams_from_minmax
+from ptq.schemes import QuantArgs
+
+ACTORDERS = ("none", "static", "group")
+SCALES = ("updated", "original")
+MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
+MAX_RETRIES = 4
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """What `gptq` returns: the weight and how the solve went."""
+
+    weight: QuantizedWeight
+    damp: float  # dampening finally used, as a fraction of mean(diag H)
+    fallback: str | None  # None, or why the weight was rounded to nearest instead
+    error: float  # the paper's Σ Losses = ½ Σ_rows (W - Ŵ) H_damped (W - Ŵ)ᵀ
+
+
+def gptq(
+    W: Tensor,
+    H: Tensor,
+    args: QuantArgs,
+    *,
+    scale_dtype: torch.dtype,
+    block_size: int = 128,
+    damp: float = 0.01,
+    actorder: str = "static",
+    scales: str = "updated",
+) -> GPTQResult:
+    """Quantize W [out, in] to `args` with GPTQ, given H [in, in] = 2/N Σ x xᵀ (float32).
+
+    actorder: "none" keeps the column order; "static" rounds columns in order of descending
+    diag(H) with groups on the original columns (no g_idx); "group" does the same with
+    groups formed by consecutive columns in that order (returns g_idx).
+    scales: "updated" computes a group's scale when its first column is reached, from the
+    group's columns as GPTQ has updated them so far; "original" computes all scales up front
+    from W. Per-channel (and fp8 per-tensor) scales are the same in both modes.
+    Neither W nor H is modified. When H cannot be inverted even after raising the
+    dampening, the result is round-to-nearest with `fallback` saying why.
+    """
+    _check(W, H, args, block_size, damp, actorder, scales)
+    H0 = H
+    H = H.detach().to(torch.float32, copy=True)  # [in, in]
+    dead = H.diagonal() == 0  # [in]: inputs that were always zero
+    H[dead, dead] = 1
+    perm = None
+    if actorder != "none":
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)  # [in]
+        H = H.index_select(0, perm).index_select(1, perm)
+    Hinv, used_damp, reason = _inverse_cholesky(H, damp)  # [in, in] upper
+    del H
+    if Hinv is None:
+        return _fallback(W, H0, dead, args, scale_dtype, used_damp, reason)
+
+    Wt = _transposed_copy(W, perm)  # [in, out], row p = column perm[p]
+    Wt[dead if perm is None else dead[perm]] = 0
+    members, group = _group_layout(W.shape[1], args, actorder, perm)
+    Qt, grid, loss = _solve(Wt, Hinv, members, group, args, scale_dtype, block_size, scales)
+
+    Q = Qt.view(torch.int8)  # [in, out] (fp8 bits travel as int8)
+    g_idx = None
+    if perm is not None:
+        position = torch.argsort(perm)  # [in]: position of each original column
+        Q = Q[position]
+        if actorder == "group" and args.strategy == "group":
+            g_idx = group.to(W.device)[position].to(torch.int32)  # [in]
+    zero = None if grid.zero is None else grid.zero.t().to(torch.int8).contiguous()
+    weight = QuantizedWeight(
+        q=Q.t().contiguous().view(Qt.dtype),  # [out, in]
+        scale=grid.scale.t().contiguous(),  # [out, groups]
+        zero=zero,  # [out, groups]
+        g_idx=g_idx,
+        args=args,
+        actorder=None if perm is None else ("group" if g_idx is not None else "static"),
+    )
+    return GPTQResult(weight, used_damp, None, float(loss))
+
+
+def _check(
+    W: Tensor, H: Tensor, args: QuantArgs, block_size: int, damp: float, actorder: str, scales: str
+) -> None:
+    if W.dim() != 2:
+        raise ValueError(f"W must be a 2-D weight [out, in], got shape {tuple(W.shape)}")
+    n = W.shape[1]
+    if tuple(H.shape) != (n, n):
+        raise ValueError(f"H must be [in, in] = [{n}, {n}] for W {tuple(W.shape)}, got {tuple(H.shape)}")
+    if H.device != W.device:
+        raise ValueError(f"W is on {W.device} but H on {H.device}; move both to one device")
+    if actorder not in ACTORDERS:
+        raise ValueError(f"unknown actorder '{actorder}'; choose one of {', '.join(ACTORDERS)}")
+    if scales not in SCALES:
+        raise ValueError(f"unknown scales '{scales}'; choose one of {', '.join(SCALES)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive number of columns, got {block_size}")
+    if not (math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"damp must be a finite fraction >= 0 (e.g. 0.01), got {damp}")
+    if args.strategy == "token" or (args.strategy == "tensor" and args.type == "int"):
+        raise ValueError(
+            f"GPTQ quantizes int weights per 'channel' or 'group', not per '{args.strategy}'; "
+            "change the weights' strategy"
+        )
+    num_groups(n, args)  # raises when group_size does not divide in
+
+
+def _damp_schedule(damp: float) -> list[float]:
+    """damp, then ten times more each retry, up to MAX_DAMP and MAX_RETRIES retries."""
+    steps = [damp]
+    while len(steps) <= MAX_RETRIES and steps[-1] < MAX_DAMP:
+        steps.append(min(max(steps[-1], 1e-3) * 10, MAX_DAMP))
+    return steps
+
+
+def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
+    """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
+
+    Returns (Hinv, λ, None), or (None, λ, reason) when no λ works. Rather than invert H
+    and factor the inverse, it factors the reversed matrix J H J = L Lᵀ (J reverses the
+    order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: a third of the work.
+    """
+    if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
+        return None, damp, "the Hessian has non-finite entries"
+    H = H.flip((0, 1))  # [in, in] J H J, a copy
+    diag = H.diagonal()  # [in], a view
+    base = diag.clone()
+    mean = base.mean()
+    if not bool(mean > 0):
+        return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
+    for lam in _damp_schedule(damp):
+        diag.copy_(base).add_(mean * lam)
+        L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
+        if int(info) != 0:
+            continue
+        Hinv = _inverse_lower(L).flip((0, 1))  # [in, in] upper
+        if bool(torch.isfinite(Hinv.sum())):
+            return Hinv, lam, None
+    return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
+
+
+def _inverse_lower(L: Tensor, block: int = 512) -> Tensor:
+    """L⁻¹ for lower-triangular L [n, n], solved a block of columns at a time so that the
+    zeros above the diagonal cost nothing."""
+    n = L.shape[0]
+    Linv = torch.zeros_like(L)  # [n, n]
+    for k0 in range(0, n, block):
+        k1 = min(k0 + block, n)
+        eye = torch.zeros(n - k0, k1 - k0, dtype=L.dtype, device=L.device)  # [n - k0, block]
+        eye.diagonal().fill_(1)
+        Linv[k0:, k0:k1] = torch.linalg.solve_triangular(L[k0:, k0:], eye, upper=False)
+    return Linv
+
+
+def _fallback(
+    W: Tensor, H: Tensor, dead: Tensor, args: QuantArgs, scale_dtype: torch.dtype, damp: float, reason: str
+) -> GPTQResult:
+    """Round to nearest; error is ½ tr(E H Eᵀ) with the given H (NaN when H is not finite)."""
+    W = W.detach().to(torch.float32, copy=True)  # [out, in]
+    W[:, dead] = 0
+    weight = rtn(W, args, scale_dtype)
+    E = W - weight.dequantize().float()  # [out, in]
+    error = 0.5 * float(((E @ H.float()) * E).sum())
+    return GPTQResult(weight, damp, f"round-to-nearest: {reason}", error)
+
+
+def _transposed_copy(W: Tensor, perm: Tensor | None) -> Tensor:
+    """A float32 copy of W [out, in] as [in, out] with rows in processing order."""
+    Wt = W.detach().t().contiguous()  # [in, out] (may still be W itself)
+    Wt = Wt.index_select(0, perm) if perm is not None else Wt.clone()
+    return Wt.float()
+
+
+def _group_layout(
+    cols: int, args: QuantArgs, actorder: str, perm: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Which positions form each quantization group, on the CPU.
+
+    members [groups, size]: the positions of each group's columns, ascending.
+    group [in]: the group of each position.
+    """
+    if args.strategy != "group":
+        members = torch.arange(cols).view(1, cols)
+    elif actorder == "static":  # groups of original columns, met out of order
+        assert perm is not None
+        position = torch.argsort(perm.cpu())  # [in]
+        members = position.view(-1, args.group_size).sort(dim=1).values
+    else:  # groups of consecutive positions
+        members = torch.arange(cols).view(-1, args.group_size)
+    group = torch.empty(cols, dtype=torch.long)
+    group[members.flatten()] = torch.arange(members.shape[0]).repeat_interleave(members.shape[1])
+    return members, group
+
+
+class _Grid:
+    """Scale and zero point of each group, filled as groups are met, and the column rounding."""
+
+    def __init__(self, groups: int, width: int, args: QuantArgs, scale_dtype: torch.dtype, device):
+        self.args = args
+        self.scale_dtype = scale_dtype
+        self.scale = torch.ones(groups, width, dtype=scale_dtype, device=device)  # [groups, out]
+        self.scale_f = torch.ones(groups, width, device=device)  # [groups, out] float32 copy
+        asym = args.type == "int" and not args.symmetric
+        self.zero = torch.zeros(groups, width, device=device) if asym else None  # [groups, out]
+
+    def fit_(self, g: int | slice, x: Tensor) -> None:
+        """Min-max parameters of group(s) g from their columns x [..., size, out]."""
+        if self.args.strategy == "tensor":
+            lo, hi = x.amin(dim=(-2, -1)).unsqueeze(-1), x.amax(dim=(-2, -1)).unsqueeze(-1)
+        else:
+            lo, hi = x.amin(dim=-2), x.amax(dim=-2)
+        scale, zero = qparams_from_minmax(lo, hi, self.args, self.scale_dtype)
+        self.scale[g] = scale
+        self.scale_f[g] = scale.float()
+        if self.zero is not None:
+            self.zero[g] = zero.float()
+
+    def round(self, w: Tensor, g: int, q_out: Tensor) -> Tensor:
+        """Quantize column w [out] of group g into q_out; return it dequantized, as `dequantize`."""
+        t = torch.div(w, self.scale_f[g])  # [out]
+        if self.args.type == "float":
+            q = t.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            q_out.copy_(q)
+            return q.to(self.scale_dtype).mul_(self.scale[g])
+        zero = self.zero[g] if self.zero is not None else None
+        if zero is not None:
+            t.add_(zero)
+        t.round_().clamp_(self.args.qmin, self.args.qmax)
+        q_out.copy_(t)
+        if zero is not None:
+            t.sub_(zero)
+        return t.to(self.scale_dtype).mul_(self.scale[g])
+
+
+def _current(Wt: Tensor, Err1: Tensor, Hinv: Tensor, i1: int, i2: int, pos: Tensor, pos_dev: Tensor) -> Tensor:
+    """Columns at positions pos (ascending, none rounded yet) as they stand now: [size, out].
+
+    Those inside the block [i1, i2) are up to date in Wt; those after it still miss the
+    block's pending update -Hinv[i1:i2, pos]ᵀ Err1 (Err1 is zero for unrounded columns).
+    """
+    x = Wt[pos_dev]  # [size, out]
+    late = int((pos < i2).sum())
+    if late < len(pos):
+        x[late:] -= Hinv[i1:i2, pos_dev[late:]].t() @ Err1
+    return x
+
+
+def _solve(
+    Wt: Tensor,
+    Hinv: Tensor,
+    members: Tensor,
+    group: Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    block_size: int,
+    scales: str,
+) -> tuple[Tensor, _Grid, Tensor]:
+    """The column loop over Wt [in, out] (consumed): Qt [in, out], the grid and Σ Losses."""
+    cols, rows = Wt.shape
+    device = Wt.device
+    members_dev = members.to(device)
+    grid = _Grid(members.shape[0], 1 if args.strategy == "tensor" else rows, args, scale_dtype, device)
+    Qt = torch.empty(cols, rows, dtype=FP8_DTYPE if args.type == "float" else torch.int8, device=device)
+    Err1 = torch.zeros(min(block_size, cols), rows, device=device)  # [block, out]
+    loss = torch.zeros((), device=device)
+    first: dict[int, int] = {}  # position -> group whose parameters are fitted there
+    if scales == "original":
+        grid.fit_(slice(None), Wt[members_dev])
+    else:
+        first = {int(m[0]): g for g, m in enumerate(members)}
+    group_of = group.tolist()
+
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        Hinv1 = Hinv[i1:i2, i1:i2]  # [block, block]
+        E = Err1[: i2 - i1].zero_()  # [block, out]
+        for i in range(i2 - i1):
+            p = i1 + i
+            g = first.get(p)
+            if g is not None:
+                grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]))
+            w = Wt[p]  # [out]
+            q = grid.round(w, group_of[p], Qt[p])  # [out]
+            err1 = torch.sub(w, q, out=E[i]).div_(Hinv1[i, i])
+            Wt[p + 1 : i2].addr_(Hinv1[i, i + 1 :], err1, alpha=-1)
+        loss += E.square().sum() / 2
+        Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+    return Qt, grid, loss

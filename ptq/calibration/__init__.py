@@ -1,0 +1,1 @@
+"""Calibration: token batches and the block-by-block runner that collects statistics."""

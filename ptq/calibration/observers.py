@@ -1,0 +1,72 @@
+"""Observers: running statistics of a Linear's input, updated batch by batch in float32."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Observer:
+    """Accumulates a statistic of x [..., in_features] over calibration batches."""
+
+    def update(self, x: Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def value(self) -> Tensor:
+        raise NotImplementedError
+
+
+class HessianObserver(Observer):
+    """H = 2/N · Σ x xᵀ over all N tokens seen: float32 [in, in]."""
+
+    def __init__(self) -> None:
+        self.sum: Tensor | None = None
+        self.tokens = 0
+
+    def update(self, x: Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        if self.sum is None:
+            self.sum = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32, device=x.device)
+        self.sum.addmm_(flat.t(), flat)
+        self.tokens += flat.shape[0]
+
+    @property
+    def value(self) -> Tensor:
+        assert self.sum is not None, "no calibration batch reached this Linear"
+        return self.sum * (2.0 / self.tokens)
+
+
+class AbsMaxObserver(Observer):
+    """max |x| per input channel: float32 [in]."""
+
+    def __init__(self) -> None:
+        self.max: Tensor | None = None
+
+    def update(self, x: Tensor) -> None:
+        current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        self.max = current if self.max is None else torch.maximum(self.max, current)
+
+    @property
+    def value(self) -> Tensor:
+        assert self.max is not None, "no calibration batch reached this Linear"
+        return self.max
+
+
+class MeanAbsObserver(Observer):
+    """mean |x| per input channel: float32 [in]."""
+
+    def __init__(self) -> None:
+        self.sum: Tensor | None = None
+        self.tokens = 0
+
+    def update(self, x: Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1])
+        current = flat.abs().float().sum(dim=0)
+        self.sum = current if self.sum is None else self.sum + current
+        self.tokens += flat.shape[0]
+
+    @property
+    def value(self) -> Tensor:
+        assert self.sum is not None, "no calibration batch reached this Linear"
+        return self.sum / self.tokens

@@ -1,0 +1,178 @@
+"""The layer-by-layer runner: calibration samples go through the model one block at a time.
+
+1. Capture the inputs of the first block: the model runs on each batch until a forward
+   pre-hook on block 0 stores its positional and keyword arguments and stops the pass.
+2. For each block: move it to the compute device, let the caller collect statistics from
+   its Linears (hooks feed observers) and quantize it, run the samples through the
+   (quantized) block to get the next block's inputs, move it back.
+
+Peak accelerator memory is one block plus the activations of the calibration samples.
+The runner knows modules and hooks, not algorithms: callers say which Linears to observe
+and with which observer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ptq.calibration.observers import Observer
+
+Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
+
+
+class _StopForward(Exception):
+    """Raised by a pre-hook to end a forward pass once the wanted inputs are captured."""
+
+
+@torch.no_grad()
+def capture_first_block_inputs(
+    model: nn.Module, blocks: nn.ModuleList, batches: Tensor, device: torch.device, batch_size: int
+) -> Inputs:
+    """The arguments block 0 receives for each batch of token ids [samples, seq_len]."""
+    captured: Inputs = []
+
+    def store(_module, args, kwargs):
+        captured.append((args, kwargs))
+        raise _StopForward
+
+    handle = blocks[0].register_forward_pre_hook(store, with_kwargs=True)
+    try:
+        _move_all_but_blocks(model, blocks, device)
+        for batch in batches.split(batch_size):
+            try:
+                model(input_ids=batch.to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _move_all_but_blocks(model: nn.Module, blocks: nn.ModuleList, device: torch.device) -> None:
+    """Move every parameter and buffer outside the block stack to device."""
+    block_tensors = {id(t) for t in list(blocks.parameters()) + list(blocks.buffers())}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in block_tensors and param.device != device:
+                param.data = param.data.to(device)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if id(buf) not in block_tensors and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def _hidden(output) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+@dataclass
+class BlockRun:
+    """One block on the compute device with its calibration inputs."""
+
+    index: int
+    name: str
+    block: nn.Module
+    inputs: Inputs
+
+    @torch.no_grad()
+    def collect(
+        self,
+        linears: dict[str, nn.Linear],
+        make_observer: Callable[[], Observer],
+        stop_at: nn.Module | None = None,
+    ) -> dict[str, Observer]:
+        """Run every batch through the block and observe the inputs of the given Linears.
+
+        Linears that receive the very same input tensor (q/k/v, gate/up) share one
+        observer, so their statistic is computed once. With stop_at, each pass ends when
+        that module is about to run (nothing after it is needed).
+        """
+        observers: dict[str, Observer] = {}
+        seen: list[tuple[Tensor, Observer]] = []  # inputs of this batch, kept alive
+
+        def observe(name: str):
+            def hook(_module, args):
+                x = args[0]
+                for tensor, observer in seen:
+                    if tensor is x:
+                        observers.setdefault(name, observer)
+                        return
+                observer = observers.get(name) or make_observer()
+                observers[name] = observer
+                observer.update(x)
+                seen.append((x, observer))
+
+            return hook
+
+        handles = [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
+        if stop_at is not None:
+            handles.append(stop_at.register_forward_pre_hook(_raise_stop))
+        try:
+            for args, kwargs in self.inputs:
+                seen.clear()
+                try:
+                    self.block(*args, **kwargs)
+                except _StopForward:
+                    pass
+        finally:
+            seen.clear()
+            for handle in handles:
+                handle.remove()
+        return observers
+
+    @torch.no_grad()
+    def outputs(self) -> Inputs:
+        """The next block's inputs: this block's outputs for every batch."""
+        return [_with_hidden(args, kwargs, _hidden(self.block(*args, **kwargs))) for args, kwargs in self.inputs]
+
+
+def _raise_stop(_module, _args):
+    raise _StopForward
+
+
+@contextmanager
+def _onloaded(block: nn.Module, device: torch.device) -> Iterator[None]:
+    home = next(block.parameters()).device
+    block.to(device)
+    try:
+        yield
+    finally:
+        block.to(home)
+
+
+def run_blocks(
+    model: nn.Module,
+    blocks_path: str,
+    batches: Tensor,
+    process: Callable[[BlockRun], None],
+    *,
+    device: torch.device,
+    batch_size: int = 8,
+    propagate: str = "quantized",
+    show_progress: bool = True,
+) -> None:
+    """Call process(run) for each block in order, feeding it the calibration inputs.
+
+    propagate="quantized": each block's inputs are the outputs of the already-processed
+    previous block; "original": the outputs the previous block gave before processing.
+    """
+    blocks = model.get_submodule(blocks_path)
+    inputs = capture_first_block_inputs(model, blocks, batches, device, batch_size)
+    bar = tqdm(blocks, desc="blocks", unit="block", disable=not show_progress)
+    for index, block in enumerate(bar):
+        with _onloaded(block, device):
+            run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
+            original_outputs = run.outputs() if propagate == "original" else None
+            process(run)
+            inputs = original_outputs if original_outputs is not None else run.outputs()

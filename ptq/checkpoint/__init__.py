@@ -1,0 +1,1 @@
+"""Checkpoint I/O in the compressed-tensors format."""

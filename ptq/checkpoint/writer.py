@@ -1,0 +1,166 @@
+"""Write a quantized model as a compressed-tensors checkpoint, atomically.
+
+The folder holds config.json (with `quantization_config`), the weights as safetensors
+(sharded with model.safetensors.index.json past max_shard_bytes), the tokenizer, and
+recipe.yaml. Everything is written into a temporary folder beside the target and renamed
+into place at the end, so a failed save leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ptq.errors import PtqError
+from ptq.modules import QuantLinear
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+CT_VERSION = "0.12.0"  # compressed-tensors config version written into quantization_config
+
+
+def quantization_config(model: nn.Module) -> dict:
+    """config.json's quantization_config for the QuantLinears in the model."""
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not quantized:
+        raise PtqError("the model has no quantized Linear; run ptq.quantize on it before saving")
+    groups: dict[tuple, list[str]] = {}
+    for name, module in quantized.items():
+        key = (module.scheme, getattr(module, "actorder", None))
+        groups.setdefault(key, []).append(name)
+    single = len(groups) == 1
+    config_groups = {}
+    for i, ((scheme, actorder), names) in enumerate(groups.items()):
+        acts = scheme.input_activations
+        config_groups[f"group_{i}"] = {
+            "targets": ["Linear"] if single else [f"re:^{n.replace('.', '[.]')}$" for n in names],
+            "format": scheme.format,
+            "weights": scheme.weights.to_config(actorder),
+            "input_activations": None if acts is None else acts.to_config(),
+            "output_activations": None,
+        }
+    formats = {g["format"] for g in config_groups.values()}
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "version": CT_VERSION,
+        "config_groups": config_groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The tensors to store: quantized buffers as they are, float tensors cast to dtype.
+
+    Non-persistent buffers (e.g. rotary frequencies) are left out, and so is a weight tied
+    to another one (lm_head tied to the embeddings).
+    """
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
+        if key in seen and tensor.numel() > 1:
+            continue
+        seen.add(key)
+        if tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not _is_scale(name):
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.detach().contiguous().cpu()
+    return tensors
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith(("weight_scale", "input_scale"))
+
+
+def _shards(tensors: dict[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_weights(folder: Path, tensors: dict[str, Tensor], max_shard_bytes: int) -> None:
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    tokenizer=None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write the quantized model to `path` (a new folder) and return it."""
+    target = Path(path).resolve()
+    if target.exists() and not overwrite:
+        raise PtqError(f"output '{target}' already exists; choose another path or pass overwrite=True (--overwrite)")
+    report = getattr(model, "ptq_report", None)
+    dtype = report.checkpoint_dtype if report else model.config.dtype
+    qconfig = quantization_config(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        config = model.config.to_dict()
+        config["quantization_config"] = qconfig
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_weights(staging, checkpoint_tensors(model, dtype), max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if report is not None:
+            (staging / "recipe.yaml").write_text(report.recipe.to_yaml())
+        _move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _publish_permissions(folder: Path) -> None:
+    """Give the staged files the modes a plain mkdir/open would (mkdtemp makes them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    _publish_permissions(staging)
+    if not target.exists():
+        staging.rename(target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""QuantLinear: a Linear whose weight is held as in a compressed-tensors checkpoint.
+
+Its buffers carry the checkpoint's tensor names, so saving is writing the state dict and
+loading is reading it back (bit-exact both ways):
+
+- "pack-quantized" (int weights, no int activations): weight_packed, weight_scale,
+  weight_shape, weight_zero_point (asymmetric), weight_g_idx (activation order "group");
+- "int-quantized" / "float-quantized" (8-bit weights with 8-bit activations): weight
+  (int8 or float8_e4m3fn), weight_scale, and input_scale for static activations.
+
+The forward pass dequantizes the weight (and fake-quantizes activations where the scheme
+quantizes them) in the input's dtype: the torch reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ptq.packing import pack_int32, packed_width, unpack_int32
+from ptq.primitives import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize
+from ptq.schemes import QuantArgs, Scheme
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: Scheme,
+        *,
+        bias: bool,
+        scale_dtype: torch.dtype,
+        has_g_idx: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme = scheme
+        self.actorder: str | None = None  # GPTQ activation order, recorded in the checkpoint config
+        args = scheme.weights
+        groups = num_groups(in_features, args)
+        scale_rows = 1 if args.strategy == "tensor" else out_features
+        self.register_buffer("weight_scale", torch.ones(scale_rows, groups, dtype=scale_dtype, device=device))
+        if scheme.format == "pack-quantized":
+            words = packed_width(in_features, args.num_bits)
+            self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, device=device))
+            self.register_buffer("weight_shape", torch.tensor([out_features, in_features], device=device))
+            if not args.symmetric:
+                zero_words = packed_width(out_features, args.num_bits)
+                zero = torch.zeros(zero_words, groups, dtype=torch.int32, device=device)
+                self.register_buffer("weight_zero_point", zero)
+        else:
+            dtype = torch.float8_e4m3fn if args.type == "float" else torch.int8
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
+        if has_g_idx:
+            self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32, device=device))
+        acts = scheme.input_activations
+        if acts is not None and not acts.dynamic:
+            self.register_buffer("input_scale", torch.ones(1, dtype=scale_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(
+        cls, linear: nn.Linear, qw: QuantizedWeight, scheme: Scheme, input_scale: Tensor | None = None
+    ) -> QuantLinear:
+        """A QuantLinear holding qw, with the bias of the Linear it replaces."""
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            scheme,
+            bias=linear.bias is not None,
+            scale_dtype=qw.scale.dtype,
+            has_g_idx=qw.g_idx is not None,
+            device=linear.weight.device,
+        )
+        module.weight_scale.copy_(qw.scale)
+        if scheme.format == "pack-quantized":
+            bits = qw.args.num_bits
+            module.weight_packed.copy_(pack_int32(qw.q, bits))
+            if qw.zero is not None:
+                module.weight_zero_point.copy_(pack_int32(qw.zero.t(), bits).t())
+        else:
+            module.weight.copy_(qw.q)
+        if qw.g_idx is not None:
+            module.weight_g_idx.copy_(qw.g_idx)
+        if input_scale is not None:
+            module.input_scale.copy_(input_scale)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        module.actorder = qw.actorder
+        return module
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The integer (or fp8) weight and its parameters, unpacked."""
+        args = self.scheme.weights
+        g_idx = getattr(self, "weight_g_idx", None)
+        if self.scheme.format != "pack-quantized":
+            return QuantizedWeight(self.weight, self.weight_scale, None, g_idx, args)
+        q = unpack_int32(self.weight_packed, args.num_bits, self.in_features)
+        zero = None
+        if not args.symmetric:
+            zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
+        return QuantizedWeight(q, self.weight_scale, zero, g_idx, args)
+
+    def dequantized_weight(self) -> Tensor:
+        """The weight [out, in] as the checkpoint defines it, in the scale dtype."""
+        qw = self.quantized_weight()
+        return dequantize(qw.q, qw.scale, qw.zero, qw.g_idx)
+
+    def forward(self, x: Tensor) -> Tensor:
+        acts = self.scheme.input_activations
+        if acts is not None:
+            x = self._fake_quantize_input(x, acts)
+        weight = self.dequantized_weight().to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def _fake_quantize_input(self, x: Tensor, acts: QuantArgs) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        if acts.dynamic:
+            return fake_quantize(flat, acts).view_as(x)
+        scale = self.input_scale.float().view(1, 1)
+        return dequantize(quantize(flat, scale, None, acts), scale).to(x.dtype).view_as(x)
+
+    def extra_repr(self) -> str:
+        w = self.scheme.weights
+        group = f", group_size={w.group_size}" if w.group_size else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weights={w.type}{w.num_bits} {w.strategy}{group}, symmetric={w.symmetric}"
+        )

@@ -1,0 +1,58 @@
+"""Dense int32 packing of signed integers, bit-exact with compressed-tensors' layout.
+
+Each signed value of `bits` bits is offset by 2^(bits-1) (int4 -> 0..15) and written into
+one little-endian bit stream per row: element j occupies bits [j*bits, (j+1)*bits) and
+word j*bits // 32, spilling into the next word when it straddles a boundary (3, 5, 6, 7
+bits). A row of n values takes ceil(n * bits / 32) int32 words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _word_positions(bits: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """For the 32 elements of one 32*bits-bit chunk: their word index and bit offset."""
+    starts = torch.arange(32, device=device) * bits
+    return starts // 32, starts % 32
+
+
+def packed_width(n: int, bits: int) -> int:
+    return math.ceil(n * bits / 32)
+
+
+def pack_int32(values: Tensor, bits: int) -> Tensor:
+    """Pack signed integers [rows, n] along the last dim: int32 [rows, ceil(n*bits/32)]."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"num_bits must be in 1..8 to pack, got {bits}")
+    rows, n = values.shape
+    chunks = math.ceil(n / 32)
+    unsigned = values.to(torch.int64) + (1 << (bits - 1))  # [rows, n] in 0..2^bits-1
+    unsigned = torch.nn.functional.pad(unsigned, (0, chunks * 32 - n)).view(rows, chunks, 32)
+    word, offset = _word_positions(bits, values.device)
+    stream = torch.zeros(rows, chunks, bits + 1, dtype=torch.int64, device=values.device)
+    # low part of each element into its word, the spill (if any) into the next word
+    stream.index_add_(2, word, (unsigned << offset) & 0xFFFFFFFF)
+    stream.index_add_(2, word + 1, unsigned >> (32 - offset))
+    words = stream[:, :, :bits].reshape(rows, chunks * bits)[:, : packed_width(n, bits)]
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement
+    return words.to(torch.int32).contiguous()
+
+
+def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of pack_int32: int32 [rows, ceil(n*bits/32)] to signed int8 [rows, n]."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"num_bits must be in 1..8 to unpack, got {bits}")
+    rows = packed.shape[0]
+    chunks = math.ceil(n / 32)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # [rows, words] unsigned
+    words = torch.nn.functional.pad(words, (0, chunks * bits + 1 - words.shape[1]))
+    word, offset = _word_positions(bits, packed.device)
+    index = (torch.arange(chunks, device=packed.device)[:, None] * bits + word).reshape(-1)
+    low = words[:, index] >> offset.repeat(chunks)  # [rows, chunks*32]
+    high = words[:, index + 1] << (32 - offset.repeat(chunks))
+    unsigned = (low | high) & ((1 << bits) - 1)
+    return (unsigned[:, :n] - (1 << (bits - 1))).to(torch.int8)

@@ -1,0 +1,89 @@
+"""Measured numbers users ask for: will it fit (size), how long, how much quality was lost."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ptq.checkpoint.writer import checkpoint_tensors
+from ptq.evaluate import EvalResult
+from ptq.modules import QuantLinear
+
+
+@dataclass(frozen=True)
+class Size:
+    total_bytes: int  # every stored tensor
+    linear_bytes: int  # the targeted Linears' weights (with scales and zero points when quantized)
+    linear_weights: int  # number of weights in those Linears
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.linear_bytes / self.linear_weights
+
+
+def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+    return tensor.numel() * itemsize
+
+
+def size_of(model: nn.Module, dtype: torch.dtype, linear_names: list[str]) -> Size:
+    """Stored size of the model with its float tensors in dtype; the Linears' share of it."""
+    total = sum(_nbytes(t) for t in checkpoint_tensors(model, dtype).values())
+    linear_bytes = weights = 0
+    for name in linear_names:
+        module = model.get_submodule(name)
+        if isinstance(module, QuantLinear):
+            linear_bytes += sum(_nbytes(b) for n, b in module.named_buffers() if n != "weight_shape")
+            weights += module.in_features * module.out_features
+        else:
+            linear_bytes += _nbytes(module.weight, dtype)
+            weights += module.weight.numel()
+    return Size(total, linear_bytes, weights)
+
+
+def peak_memory_bytes() -> dict[str, int]:
+    """Peak resident memory of this process; peak CUDA memory when a GPU was used."""
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = {"rss": rss_kb * (1 if sys.platform == "darwin" else 1024)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["cuda"] = torch.cuda.max_memory_allocated()
+    return peak
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def summary_table(
+    before: Size,
+    after: Size,
+    quality: EvalResult | None,
+    seconds: float,
+    peak: dict[str, int],
+) -> str:
+    """The closing table of `ptq quantize`."""
+    rows = [
+        ("", "original", "quantized"),
+        ("model size", _mb(before.total_bytes), _mb(after.total_bytes)),
+        ("quantized Linears", _mb(before.linear_bytes), _mb(after.linear_bytes)),
+        ("bits per weight (Linears, incl. scales)", f"{before.bits_per_weight:.2f}", f"{after.bits_per_weight:.2f}"),
+    ]
+    if quality is not None:
+        rows += [
+            (f"perplexity ({quality.tokens:,} held-out tokens, ctx {quality.seq_len})",
+             f"{quality.reference_perplexity:.3f}", f"{quality.perplexity:.3f}"),
+            ("KL to original (nats/token)", "0", f"{quality.kl:.5f}"),
+            ("top-1 agreement with original", "100%", f"{100 * quality.top1:.2f}%"),
+        ]
+    rows.append(("wall time (quantize)", "", f"{seconds:.1f} s"))
+    rows.append(("peak memory (RSS)", "", _mb(peak["rss"])))
+    if "cuda" in peak:
+        rows.append(("peak GPU memory", "", _mb(peak["cuda"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

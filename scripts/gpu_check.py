@@ -1,0 +1,124 @@
+"""One prepared GPU check for ptq's kernels (about 5-8 minutes on an H200); prints a compact report.
+
+    1. kernel tests on the GPU, compiled for real (no interpreter): pytest tests/kernels
+    2. benchmark on Llama-3-8B shapes (ptq.kernels.bench), then the autotuned kernels that the
+       benchmark chose compared with their torch references on the same shapes
+    (3. is added later by the lead: quantize the bundled model and generate)
+
+Run it from the repository root: `bash scripts/gpu_check.sh` (or `python scripts/gpu_check.py`).
+Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_TIMEOUT_S = 300
+
+
+def step_tests() -> bool:
+    """pytest tests/kernels in a subprocess; prints its summary lines and any failure summary."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # compile for the GPU
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"  FAILED: pytest did not finish within {TEST_TIMEOUT_S} s")
+        return False
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    keep = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln
+            or " error" in ln]
+    for ln in (keep or lines[-15:])[-25:]:
+        print("  " + ln)
+    return done.returncode == 0
+
+
+def check_autotuned(shapes, ms, device="cuda") -> bool:
+    """Autotuned kernels vs references on the benchmark shapes: max |y - ref| / max |ref|."""
+    from ptq.kernels import fp8_gemm, int8_gemm, wna16_gemm
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    ok = True
+    for N, K in shapes:
+        w4 = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), generator=gen, device=device, dtype=torch.int32)
+        s4 = torch.rand(N, K // 128, generator=gen, device=device).to(torch.bfloat16) * 0.01
+        w_i8 = torch.randint(-128, 128, (N, K), generator=gen, device=device, dtype=torch.int8)
+        s_w = torch.rand(N, 1, generator=gen, device=device) * 0.001
+        w_fp8 = (torch.randn(N, K, generator=gen, device=device) * 20).to(torch.float8_e4m3fn)
+        for M in ms:
+            x = torch.randn(M, K, generator=gen, device=device).to(torch.bfloat16)
+            pairs = [
+                ("w4a16-g128", wna16_gemm.wna16_matmul, wna16_gemm.wna16_matmul_reference,
+                 (x, w4, s4), dict(bits=4, group_size=128)),
+                ("w8a8-int8", int8_gemm.w8a8_int8_linear, int8_gemm.w8a8_int8_linear_reference, (x, w_i8, s_w), {}),
+            ]
+            if fp8_gemm.is_supported(device):
+                pairs.append(("w8a8-fp8", fp8_gemm.w8a8_fp8_linear, fp8_gemm.w8a8_fp8_linear_reference,
+                              (x, w_fp8, s_w), {}))
+            for name, fn, ref, args, kwargs in pairs:
+                y, y_ref = fn(*args, **kwargs).float(), ref(*args, **kwargs).float()
+                err = ((y - y_ref).abs().max() / y_ref.abs().max().clamp_min(1e-30)).item()
+                good = err < 2**-6  # two bf16 ulps of the largest output (fp8 MMA: ~1e-3)
+                ok &= good
+                print(f"  {name:<11} M={M:<5} N={N:<6} K={K:<6} max rel err {err:.1e} {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def step_bench(quick: bool) -> bool:
+    from ptq.kernels.bench import BATCH_SIZES, LLAMA3_8B_SHAPES, format_table, run_benchmark
+
+    shapes = LLAMA3_8B_SHAPES[:1] if quick else LLAMA3_8B_SHAPES
+    ms = (1, 256) if quick else BATCH_SIZES
+    print(format_table(run_benchmark(shapes=shapes, ms=ms)))
+    print("  autotuned kernels vs references:")
+    return check_autotuned(shapes, (1, 16, 256))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
+    parser.add_argument("--skip-tests", action="store_true", help="skip step 1")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False); "
+              "run it on a machine with an NVIDIA GPU. The CPU tests run with: pytest tests/kernels")
+        return 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gpu_check: TRITON_INTERPRET=1 is set; unset it to compile the kernels for the GPU")
+        return 2
+    try:
+        import ptq.kernels  # noqa: F401
+    except ImportError as exc:
+        print(f"gpu_check: cannot import ptq.kernels ({exc}); install ptq first: pip install -e . --no-deps")
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    print(f"gpu_check: {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
+          f"torch {torch.__version__}")
+    results = {}
+    steps = [("1 kernel tests", step_tests)] if not args.skip_tests else []
+    steps.append(("2 benchmark + autotuned check", lambda: step_bench(args.quick)))
+    # Step 3 (the lead adds it here): quantize the bundled model and generate.
+    for name, step in steps:
+        print(f"[{name}]")
+        start = time.time()
+        try:
+            results[name] = step()
+        except Exception as exc:  # report the failing step and go on to the next one
+            print(f"  FAILED with {type(exc).__name__}: {exc}")
+            results[name] = False
+        print(f"  ({time.time() - start:.0f} s)")
+    print("gpu_check summary: " + ", ".join(f"{n}: {'ok' if r else 'FAILED'}" for n, r in results.items()))
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

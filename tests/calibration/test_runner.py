@@ -1,0 +1,90 @@
+"""The block runner feeds each block exactly what the full model would, for several families."""
+
+import pytest
+import torch
+from torch import nn
+
+from ptq.arch import find_blocks
+from ptq.calibration.observers import HessianObserver
+from ptq.calibration.runner import run_blocks
+from ptq.pipeline import linear_stages
+from tests.conftest import tiny_model
+
+FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_see_the_model_hidden_states(family):
+    model = tiny_model(family, dtype=torch.float32)
+    ids = torch.randint(0, 4096, (3, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    path, blocks = find_blocks(model)
+    seen = {}
+
+    def process(run):
+        seen[run.index] = torch.cat([args[0] for args, _ in run.inputs])
+
+    run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
+    assert sorted(seen) == list(range(len(blocks)))
+    for index, hidden in seen.items():
+        # float32, same ops in the same order: the runner reproduces the model's own inputs
+        torch.testing.assert_close(hidden, expected[index], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_inputs_share_one_hessian(family):
+    model = tiny_model(family, dtype=torch.float32)
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    path, _ = find_blocks(model)
+    result = {}
+
+    def process(run):
+        if run.index:
+            return
+        linears = {n: m for n, m in run.block.named_modules() if isinstance(m, nn.Linear)}
+        result["stages"] = linear_stages(run, linears)
+        result["observers"] = run.collect(linears, HessianObserver)
+
+    run_blocks(model, path, ids, process, device=torch.device("cpu"), show_progress=False)
+    observers = result["observers"]
+    assert observers["self_attn.q_proj"] is observers["self_attn.k_proj"] is observers["self_attn.v_proj"]
+    out_proj = "self_attn.out_proj" if family == "opt" else "self_attn.o_proj"
+    assert observers["self_attn.q_proj"] is not observers[out_proj]
+    assert observers["self_attn.q_proj"].tokens == 32  # counted once, not three times
+    if family == "opt":
+        assert result["stages"] == [
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.out_proj"], ["fc1"], ["fc2"]
+        ]
+    else:
+        assert observers["mlp.gate_proj"] is observers["mlp.up_proj"]
+        assert result["stages"] == [
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+            ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"],
+        ]
+
+
+def test_hessian_matches_definition():
+    x = torch.randn(4, 10, 8, generator=torch.Generator().manual_seed(2))
+    observer = HessianObserver()
+    observer.update(x[:2])
+    observer.update(x[2:])
+    flat = x.reshape(-1, 8)
+    torch.testing.assert_close(observer.value, 2 * flat.t() @ flat / 40, atol=1e-6, rtol=1e-6)
+
+
+def test_stop_at_ends_the_pass_early():
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(3))
+    path, _ = find_blocks(model)
+    calls = []
+
+    def process(run):
+        attn = run.block.self_attn
+        run.block.mlp.register_forward_pre_hook(lambda *_: calls.append(run.index))
+        observers = run.collect({"q": attn.q_proj}, HessianObserver, stop_at=attn.o_proj)
+        assert observers["q"].tokens == 32
+        assert calls == list(range(run.index))  # the MLP did not run while collecting
+
+    run_blocks(model, path, ids, process, device=torch.device("cpu"), show_progress=False)
+    assert calls == [0, 1]  # once per block: its outputs pass

@@ -1,0 +1,51 @@
+"""Packing is bit-exact: round trips for every width, and the reference library's layout."""
+
+import pytest
+import torch
+
+from ptq.packing import pack_int32, packed_width, unpack_int32
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 32, 33, 100, 256])
+def test_round_trip_every_width(bits, n):
+    g = torch.Generator().manual_seed(bits * 1000 + n)
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (6, n), generator=g).to(torch.int8)
+    packed = pack_int32(values, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (6, packed_width(n, bits))
+    assert torch.equal(unpack_int32(packed, bits, n), values)
+
+
+def test_known_int4_layout():
+    # element j of a row sits in word j // 8 at bit 4 * (j % 8), offset by +8
+    values = torch.tensor([[-8, -7, 0, 7, 1, 2, 3, 4, 5]], dtype=torch.int8)
+    packed = pack_int32(values, 4)
+    unsigned = [v + 8 for v in values[0].tolist()]
+    word0 = sum(u << (4 * j) for j, u in enumerate(unsigned[:8]))
+    word0 = word0 - (1 << 32) if word0 >= 1 << 31 else word0
+    assert packed.tolist() == [[word0, unsigned[8]]]
+
+
+def test_three_bits_straddle_words():
+    # element 10 of a 3-bit row starts at bit 30 and spills into word 1
+    values = torch.zeros(1, 12, dtype=torch.int8)
+    values[0, 10] = 3  # unsigned 7 = 0b111: bits 30, 31 in word 0 and bit 0 in word 1
+    packed = pack_int32(values, 3)
+    unsigned = (values.long() + 4)[0]
+    stream = sum(int(u) << (3 * j) for j, u in enumerate(unsigned))
+    words = [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(2)]
+    assert packed.tolist() == [[w - (1 << 32) if w >= 1 << 31 else w for w in words]]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_matches_compressed_tensors(bits):
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    g = torch.Generator().manual_seed(bits)
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, 200), generator=g).to(torch.int8)
+    assert torch.equal(pack_int32(values, bits), helpers.pack_to_int32(values, bits))
+    assert torch.equal(helpers.unpack_from_int32(pack_int32(values, bits), bits, values.shape), values)
+
+
+def test_rejects_bad_width():
+    with pytest.raises(ValueError, match="1..8"):
+        pack_int32(torch.zeros(1, 4, dtype=torch.int8), 9)
