@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# TEMP from ptq.algorithms.gptq import gptq
+from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
 from ptq.arch import find_blocks
 from ptq.calibration.data import calibration_batches

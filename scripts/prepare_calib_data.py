@@ -8,8 +8,9 @@ reStructuredText sources under ``/usr/share/doc/python3.11/html/_sources``.
 
 Only prose paragraphs are kept (directives, code blocks, tables and headings are dropped,
 inline roles are reduced to their text). Whole source files go either to the calibration
-part or to the held-out evaluation part, chosen by a hash of the file's relative path, so
-the two parts never share a paragraph.
+part or to the held-out evaluation part, chosen by a hash of the file's relative path. The
+documentation repeats some paragraphs across files, so held-out paragraphs that also occur
+in the calibration part are dropped: the two parts never share a paragraph.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
         relative = path.relative_to(args.sources).as_posix()
         part = "eval" if is_held_out(relative) else "calib"
         parts[part].extend(prose_paragraphs(path.read_text(encoding="utf-8")))
+    seen = set(parts["calib"])
+    parts["eval"] = [p for p in parts["eval"] if p not in seen]
     args.out.mkdir(parents=True, exist_ok=True)
     for part, paragraphs in parts.items():
         text = "\n\n".join(paragraphs) + "\n"

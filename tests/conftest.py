@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers
+import os
 
-from ptq.models import bundled_model_path
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when kernels are first decorated: set it before anything imports them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+from ptq.models import bundled_model_path  # noqa: E402
 
 VOCAB = 4096  # the bundled tokenizer's vocabulary, so random models can read real text
 

@@ -59,7 +59,8 @@ def gptq(
 
     actorder: "none" keeps the column order; "static" rounds columns in order of descending
     diag(H) with groups on the original columns (no g_idx); "group" does the same with
-    groups formed by consecutive columns in that order (returns g_idx).
+    groups formed by consecutive columns in that order (returns g_idx). Per-channel scales
+    have no groups to reorder: there "group" behaves as "static".
     scales: "updated" computes a group's scale when its first column is reached, from the
     group's columns as GPTQ has updated them so far; "original" computes all scales up front
     from W. Per-channel (and fp8 per-tensor) scales are the same in both modes.
@@ -89,7 +90,7 @@ def gptq(
     g_idx = None
     if perm is not None:
         position = torch.argsort(perm)  # [in]: position of each original column
-        Q = Q[position]
+        Q = Q.index_select(0, position)
         if actorder == "group" and args.strategy == "group":
             g_idx = group.to(W.device)[position].to(torch.int32)  # [in]
     zero = None if grid.zero is None else grid.zero.t().to(torch.int8).contiguous()
@@ -111,7 +112,9 @@ def _check(
         raise ValueError(f"W must be a 2-D weight [out, in], got shape {tuple(W.shape)}")
     n = W.shape[1]
     if tuple(H.shape) != (n, n):
-        raise ValueError(f"H must be [in, in] = [{n}, {n}] for W {tuple(W.shape)}, got {tuple(H.shape)}")
+        raise ValueError(
+            f"H must be [in, in] = [{n}, {n}] for W {tuple(W.shape)}, got {tuple(H.shape)}"
+        )
     if H.device != W.device:
         raise ValueError(f"W is on {W.device} but H on {H.device}; move both to one device")
     if actorder not in ACTORDERS:
@@ -143,7 +146,8 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str
 
     Returns (Hinv, λ, None), or (None, λ, reason) when no λ works. Rather than invert H
     and factor the inverse, it factors the reversed matrix J H J = L Lᵀ (J reverses the
-    order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: a third of the work.
+    order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic,
+    and H⁻¹ itself is never formed.
     """
     if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
@@ -178,7 +182,13 @@ def _inverse_lower(L: Tensor, block: int = 512) -> Tensor:
 
 
 def _fallback(
-    W: Tensor, H: Tensor, dead: Tensor, args: QuantArgs, scale_dtype: torch.dtype, damp: float, reason: str
+    W: Tensor,
+    H: Tensor,
+    dead: Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    damp: float,
+    reason: str,
 ) -> GPTQResult:
     """Round to nearest; error is ½ tr(E H Eᵀ) with the given H (NaN when H is not finite)."""
     W = W.detach().to(torch.float32, copy=True)  # [out, in]
@@ -240,7 +250,7 @@ class _Grid:
         if self.zero is not None:
             self.zero[g] = zero.float()
 
-    def round(self, w: Tensor, g: int, q_out: Tensor) -> Tensor:
+    def round_column(self, w: Tensor, g: int, q_out: Tensor) -> Tensor:
         """Quantize column w [out] of group g into q_out; return it dequantized, as `dequantize`."""
         t = torch.div(w, self.scale_f[g])  # [out]
         if self.args.type == "float":
@@ -257,7 +267,9 @@ class _Grid:
         return t.to(self.scale_dtype).mul_(self.scale[g])
 
 
-def _current(Wt: Tensor, Err1: Tensor, Hinv: Tensor, i1: int, i2: int, pos: Tensor, pos_dev: Tensor) -> Tensor:
+def _current(
+    Wt: Tensor, Err1: Tensor, Hinv: Tensor, i1: int, i2: int, pos: Tensor, pos_dev: Tensor
+) -> Tensor:
     """Columns at positions pos (ascending, none rounded yet) as they stand now: [size, out].
 
     Those inside the block [i1, i2) are up to date in Wt; those after it still miss the
@@ -284,15 +296,17 @@ def _solve(
     cols, rows = Wt.shape
     device = Wt.device
     members_dev = members.to(device)
-    grid = _Grid(members.shape[0], 1 if args.strategy == "tensor" else rows, args, scale_dtype, device)
-    Qt = torch.empty(cols, rows, dtype=FP8_DTYPE if args.type == "float" else torch.int8, device=device)
+    width = 1 if args.strategy == "tensor" else rows
+    grid = _Grid(members.shape[0], width, args, scale_dtype, device)
+    q_dtype = FP8_DTYPE if args.type == "float" else torch.int8
+    Qt = torch.empty(cols, rows, dtype=q_dtype, device=device)  # [in, out]
     Err1 = torch.zeros(min(block_size, cols), rows, device=device)  # [block, out]
     loss = torch.zeros((), device=device)
     first: dict[int, int] = {}  # position -> group whose parameters are fitted there
     if scales == "original":
         grid.fit_(slice(None), Wt[members_dev])
     else:
-        first = {int(m[0]): g for g, m in enumerate(members)}
+        first = {p: g for g, p in enumerate(members[:, 0].tolist())}
     group_of = group.tolist()
 
     for i1 in range(0, cols, block_size):
@@ -305,7 +319,7 @@ def _solve(
             if g is not None:
                 grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]))
             w = Wt[p]  # [out]
-            q = grid.round(w, group_of[p], Qt[p])  # [out]
+            q = grid.round_column(w, group_of[p], Qt[p])  # [out], dequantized
             err1 = torch.sub(w, q, out=E[i]).div_(Hinv1[i, i])
             Wt[p + 1 : i2].addr_(Hinv1[i, i + 1 :], err1, alpha=-1)
         loss += E.square().sum() / 2
