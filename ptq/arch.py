@@ -1,28 +1,86 @@
 """Architecture knowledge as data: one table entry per model family, matched by class.
 
-An entry says where the stack of decoder blocks is. Models of families not in the table
-still work for weight quantization: their blocks are found as the model's largest
+An entry says where the stack of decoder blocks is, and which (previous op -> Linears)
+pairs inside a block can be smoothed (SmoothQuant, AWQ). Models of families not in the
+table still work for weight quantization: their blocks are found as the model's largest
 ModuleList of same-class modules. (Linears that read the same input are detected at run
-time by the calibration runner, so they need no entry.)
+time by the calibration runner, so they need no entry.) Smoothing an unknown family needs
+mappings from the recipe (`mappings_from_patterns`).
+
+One generic engine (`resolve_mappings`) turns a table's block-relative names into the
+modules of a concrete block, and says in words why a mapping cannot be used there (a
+shape mismatch under grouped-query attention, a post-norm block, a norm without weight).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 import transformers
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.targets import matches
+
+
+@dataclass(frozen=True)
+class SmoothingMapping:
+    """One smoothable pair, in module names relative to a decoder block.
+
+    smooth:   the op whose output channels are divided by s (a norm, or a Linear);
+    balance:  the Linears that read that output, whose input columns are multiplied by s;
+    inspect:  the module whose output measures AWQ's loss: the smallest module containing
+              the balance Linears that can be called on its own ("self_attn", "mlp", or the
+              single balance Linear itself);
+    requires: (attribute of the block, value) pairs that must hold for the pair to be
+              adjacent in the block's forward (e.g. OPT's pre-norm flag).
+    """
+
+    smooth: str
+    balance: tuple[str, ...]
+    inspect: str
+    requires: tuple[tuple[str, object], ...] = ()
+
+    def describe(self) -> str:
+        return f"{self.smooth} -> {', '.join(self.balance)}"
 
 
 @dataclass(frozen=True)
 class Architecture:
     blocks: str  # dotted path of the ModuleList of decoder blocks
+    smoothing: tuple[SmoothingMapping, ...] = ()  # block-relative smoothable pairs
 
 
-_LLAMA_LIKE = Architecture(blocks="model.layers")
-_OPT = Architecture(blocks="model.decoder.layers")
+_LLAMA_SMOOTHING = (
+    SmoothingMapping(
+        "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"
+    ),
+    # valid only without grouped-query attention (v_proj's outputs == o_proj's inputs)
+    SmoothingMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    SmoothingMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    SmoothingMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+_OPT_PRE_NORM = (("do_layer_norm_before", True),)  # opt-350m normalizes after, not before
+_OPT_SMOOTHING = (
+    SmoothingMapping(
+        "self_attn_layer_norm",
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn",
+        requires=_OPT_PRE_NORM,
+    ),
+    SmoothingMapping("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj"),
+    # OPT's MLP is no submodule: fc1 and fc2 sit in the block, with a ReLU between them,
+    # so fc1 -> fc2 cannot be smoothed
+    SmoothingMapping("final_layer_norm", ("fc1",), "fc1", requires=_OPT_PRE_NORM),
+)
+
+# Qwen3's q_norm/k_norm sit after q_proj/k_proj inside attention: they change no pair here
+_LLAMA_LIKE = Architecture(blocks="model.layers", smoothing=_LLAMA_SMOOTHING)
+_OPT = Architecture(blocks="model.decoder.layers", smoothing=_OPT_SMOOTHING)
 
 # transformers class name -> architecture. The classes are imported from transformers and
 # matched with isinstance, so subclasses inherit their parent's entry.
@@ -33,6 +91,11 @@ FAMILIES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": _LLAMA_LIKE,
     "OPTForCausalLM": _OPT,
 }
+
+MAPPINGS_EXAMPLE = (
+    'mappings: [{smooth: "re:.*input_layernorm$", balance: ["re:.*q_proj$", "re:.*k_proj$", '
+    '"re:.*v_proj$"], inspect: self_attn}]'
+)
 
 
 def _family_class(name: str) -> type | None:
@@ -71,3 +134,227 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     blocks = model.get_submodule(path)
     assert isinstance(blocks, nn.ModuleList), f"{path} is not a ModuleList"
     return path, blocks
+
+
+# ---------------------------------------------------------------------------------------
+# Smoothing mappings: from the table or the recipe, resolved against a concrete block
+
+
+@dataclass(frozen=True)
+class ResolvedMapping:
+    """A SmoothingMapping whose names were found in one block, with the modules."""
+
+    mapping: SmoothingMapping
+    smooth: nn.Module
+    balance: tuple[nn.Linear, ...]
+    inspect: nn.Module
+
+    @property
+    def channels(self) -> int:
+        return self.balance[0].in_features
+
+
+def smoothing_mappings(model: nn.Module) -> tuple[SmoothingMapping, ...]:
+    """The smoothable pairs of the model's family; PtqError if the table has none."""
+    mappings = architecture_of(model).smoothing
+    if not mappings:
+        raise PtqError(
+            f"{type(model).__name__} has no smoothing mappings in ptq's architecture table; "
+            "give them in the smoothquant/awq step of the recipe, with block-relative module "
+            f"names or 're:' regexes, e.g. {MAPPINGS_EXAMPLE}"
+        )
+    return mappings
+
+
+def block_mappings(
+    model: nn.Module, block: nn.Module, patterns: Sequence[Mapping] | None = None
+) -> tuple[list[ResolvedMapping], list[str]]:
+    """The usable mappings of one block and the reasons others were skipped.
+
+    With patterns (from a recipe) those are used; otherwise the family's table.
+    """
+    if patterns:
+        mappings = mappings_from_patterns(block, patterns)
+    else:
+        mappings = smoothing_mappings(model)
+    return resolve_mappings(block, mappings)
+
+
+def resolve_mappings(
+    block: nn.Module, mappings: Sequence[SmoothingMapping]
+) -> tuple[list[ResolvedMapping], list[str]]:
+    """(usable mappings, human-readable reasons for each skipped one) for a concrete block."""
+    usable: list[ResolvedMapping] = []
+    skipped: list[str] = []
+    for mapping in mappings:
+        resolved = _resolve(block, mapping)
+        if isinstance(resolved, str):
+            skipped.append(f"{mapping.describe()} skipped: {resolved}")
+        else:
+            usable.append(resolved)
+    return usable, skipped
+
+
+def _resolve(block: nn.Module, mapping: SmoothingMapping) -> ResolvedMapping | str:
+    """The resolved mapping, or why it cannot be used in this block."""
+    for attribute, wanted in mapping.requires:
+        value = getattr(block, attribute, None)
+        if value != wanted:
+            return (
+                f"{type(block).__name__}.{attribute} is {value!r}, the mapping needs {wanted!r} "
+                f"(otherwise {mapping.smooth} does not feed the balance Linears directly)"
+            )
+    names = (mapping.smooth, *mapping.balance, mapping.inspect)
+    missing = [name for name in names if _get(block, name) is None]
+    if missing:
+        return f"{type(block).__name__} has no module {', '.join(missing)}"
+    smooth, inspect = _get(block, mapping.smooth), _get(block, mapping.inspect)
+    balance = tuple(_get(block, name) for name in mapping.balance)
+    not_linear = [n for n, m in zip(mapping.balance, balance) if not isinstance(m, nn.Linear)]
+    if not_linear:
+        return f"balance module(s) {', '.join(not_linear)} are not nn.Linear"
+    widths = {m.in_features for m in balance}
+    if len(widths) != 1:
+        return f"the balance Linears read different widths {sorted(widths)}"
+    (width,) = widths
+    problem = smooth_problem(smooth, width)
+    if problem:
+        return f"{mapping.smooth}: {problem}"
+    return ResolvedMapping(mapping, smooth, balance, inspect)  # type: ignore[arg-type]
+
+
+def _get(block: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def smooth_problem(smooth: nn.Module, channels: int) -> str | None:
+    """Why dividing smooth's `channels` output channels by s would not be exact, or None.
+
+    A Linear divides its rows (and bias). Any other module must be a norm-like op whose
+    output is proportional to a 1-D `weight` (plus a `bias`), as LayerNorm and the RMSNorms
+    of Llama, Qwen and Mistral are; this is checked by running a float32 copy on a probe
+    input, so norms computing x·(1 + w) (Gemma) are refused rather than silently broken.
+    """
+    if isinstance(smooth, nn.Linear):
+        if smooth.out_features != channels:
+            return (
+                f"it has {smooth.out_features} output channels but the balance Linears read "
+                f"{channels} (e.g. grouped-query attention: fewer key/value heads than query heads)"
+            )
+        return None
+    weight = getattr(smooth, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return f"{type(smooth).__name__} has no 1-D weight to fold the scales into"
+    if weight.numel() != channels:
+        return f"its weight has {weight.numel()} channels but the balance Linears read {channels}"
+    if not _output_scales_with_weight(smooth, channels):
+        return (
+            f"{type(smooth).__name__}'s output is not proportional to its weight "
+            "on a probe input (e.g. it computes x·(1 + w)), so scales cannot be folded into it"
+        )
+    return None
+
+
+@torch.no_grad()
+def _output_scales_with_weight(norm: nn.Module, channels: int) -> bool:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, channels, generator=g)  # [batch, seq, channels]
+    factor = torch.rand(channels, generator=g) + 0.5  # [channels]
+    try:
+        probe = copy.deepcopy(norm).to(device="cpu", dtype=torch.float32)
+        before = probe(x)
+        probe.weight.mul_(factor)
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.mul_(factor)
+        after = probe(x)
+    except Exception:  # noqa: BLE001 - any failure means the op is not a plain norm
+        return False
+    if isinstance(before, tuple) or not isinstance(before, torch.Tensor):
+        return False
+    return torch.allclose(after, before * factor, rtol=1e-4, atol=1e-5)
+
+
+_PATTERN_KEYS = ("smooth", "balance", "inspect")
+
+
+def mappings_from_patterns(block: nn.Module, patterns: Sequence[Mapping]) -> tuple[SmoothingMapping, ...]:
+    """Mappings of one block from recipe patterns, in compressed-tensors target syntax.
+
+    Each pattern is {smooth: P, balance: [P, ...], inspect: P (optional)} where P is a
+    block-relative module name, a class name or 're:<regex>' (re.match on the names).
+    smooth must match one module; each balance pattern adds the Linears it matches; inspect
+    defaults to the single balance Linear, or the balance Linears' lowest common parent
+    ("" for the block itself).
+    A pattern whose smooth op is not in this block yields no mapping (it may match others).
+    """
+    named = [(name, module) for name, module in block.named_modules() if name]
+    found: list[SmoothingMapping] = []
+    for i, pattern in enumerate(patterns):
+        _check_pattern_keys(i, pattern)
+        smooth = [name for name, module in named if matches(name, module, [pattern["smooth"]])]
+        if not smooth:
+            continue
+        if len(smooth) > 1:
+            raise PtqError(
+                f"smoothing mapping {i}: smooth pattern {pattern['smooth']!r} matches "
+                f"{len(smooth)} modules in a block ({', '.join(smooth[:4])}); make it match one"
+            )
+        balance = _balance_names(i, pattern["balance"], named)
+        inspect = _inspect_name(i, pattern.get("inspect"), balance, named)
+        found.append(SmoothingMapping(smooth[0], balance, inspect))
+    return tuple(found)
+
+
+def _check_pattern_keys(i: int, pattern: Mapping) -> None:
+    if not isinstance(pattern, Mapping):
+        raise PtqError(f"smoothing mapping {i} must be a mapping like {MAPPINGS_EXAMPLE}")
+    unknown = [key for key in pattern if key not in _PATTERN_KEYS]
+    if unknown:
+        raise PtqError(
+            f"smoothing mapping {i}: unknown key '{unknown[0]}'; allowed keys: {', '.join(_PATTERN_KEYS)}"
+        )
+    if "smooth" not in pattern or "balance" not in pattern:
+        raise PtqError(f"smoothing mapping {i} needs 'smooth' and 'balance', e.g. {MAPPINGS_EXAMPLE}")
+    if isinstance(pattern["balance"], str) or not isinstance(pattern["balance"], Sequence):
+        raise PtqError(f"smoothing mapping {i}: 'balance' must be a list of patterns")
+
+
+Named = list[tuple[str, nn.Module]]
+
+
+def _balance_names(i: int, patterns: Sequence[str], named: Named) -> tuple[str, ...]:
+    chosen: list[str] = []
+    for pattern in patterns:
+        hits = [n for n, m in named if isinstance(m, nn.Linear) and matches(n, m, [pattern])]
+        if not hits:
+            raise PtqError(
+                f"smoothing mapping {i}: balance pattern {pattern!r} matches no Linear in the block"
+            )
+        chosen += [name for name in hits if name not in chosen]
+    return tuple(chosen)
+
+
+def _inspect_name(i: int, pattern: str | None, balance: tuple[str, ...], named: Named) -> str:
+    if pattern is None:
+        if len(balance) == 1:
+            return balance[0]
+        parts = [name.split(".") for name in balance]
+        common: list[str] = []
+        for pieces in zip(*parts):
+            if len(set(pieces)) != 1:
+                break
+            common.append(pieces[0])
+        modules = dict(named)
+        while common and isinstance(modules.get(".".join(common)), nn.ModuleList):
+            common.pop()  # a ModuleList is never called: inspect its parent
+        return ".".join(common)  # "" is the block itself
+    hits = [name for name, module in named if matches(name, module, [pattern])]
+    if len(hits) != 1:
+        raise PtqError(
+            f"smoothing mapping {i}: inspect pattern {pattern!r} must match one module in a block, "
+            f"matched {len(hits)}"
+        )
+    return hits[0]

@@ -8,11 +8,16 @@ loading is reading it back (bit-exact both ways):
 - "int-quantized" / "float-quantized" (8-bit weights with 8-bit activations): weight
   (int8 or float8_e4m3fn), weight_scale, and input_scale for static activations.
 
-The forward pass dequantizes the weight (and fake-quantizes activations where the scheme
-quantizes them) in the input's dtype: the torch reference path.
+Two forward paths: the bundled Triton kernels (ptq.kernels) for CUDA tensors, and
+elsewhere the torch reference, which dequantizes the weight (and fake-quantizes the
+activations where the scheme quantizes them) in the input's dtype. `backend` forces one:
+"auto" (default), "triton" (also on the CPU under TRITON_INTERPRET=1) or "torch".
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +44,14 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.scheme = scheme
         self.actorder: str | None = None  # GPTQ activation order, recorded in the checkpoint config
+        self._cached: Tensor | None = None  # dequantized weight, only inside cached_weight()
+        self.backend = "auto"
+        self._zero_unpacked: Tensor | None = None  # for the kernels, unpacked once
         args = scheme.weights
         groups = num_groups(in_features, args)
-        scale_rows = 1 if args.strategy == "tensor" else out_features
-        self.register_buffer("weight_scale", torch.ones(scale_rows, groups, dtype=scale_dtype, device=device))
+        # [out, groups]; per tensor the checkpoint holds shape [1]
+        scale_shape = (1,) if args.strategy == "tensor" else (out_features, groups)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=scale_dtype, device=device))
         if scheme.format == "pack-quantized":
             words = packed_width(in_features, args.num_bits)
             self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, device=device))
@@ -75,7 +84,7 @@ class QuantLinear(nn.Module):
             has_g_idx=qw.g_idx is not None,
             device=linear.weight.device,
         )
-        module.weight_scale.copy_(qw.scale)
+        module.weight_scale.copy_(qw.scale.reshape(module.weight_scale.shape))
         if scheme.format == "pack-quantized":
             bits = qw.args.num_bits
             module.weight_packed.copy_(pack_int32(qw.q, bits))
@@ -96,13 +105,14 @@ class QuantLinear(nn.Module):
         """The integer (or fp8) weight and its parameters, unpacked."""
         args = self.scheme.weights
         g_idx = getattr(self, "weight_g_idx", None)
+        scale = self.weight_scale.reshape(1, 1) if args.strategy == "tensor" else self.weight_scale
         if self.scheme.format != "pack-quantized":
-            return QuantizedWeight(self.weight, self.weight_scale, None, g_idx, args)
+            return QuantizedWeight(self.weight, scale, None, g_idx, args)
         q = unpack_int32(self.weight_packed, args.num_bits, self.in_features)
         zero = None
         if not args.symmetric:
             zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
-        return QuantizedWeight(q, self.weight_scale, zero, g_idx, args)
+        return QuantizedWeight(q, scale, zero, g_idx, args)
 
     def dequantized_weight(self) -> Tensor:
         """The weight [out, in] as the checkpoint defines it, in the scale dtype."""
@@ -110,12 +120,32 @@ class QuantLinear(nn.Module):
         return dequantize(qw.q, qw.scale, qw.zero, qw.g_idx)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+            return self._forward_triton(x)
         acts = self.scheme.input_activations
         if acts is not None:
             x = self._fake_quantize_input(x, acts)
-        weight = self.dequantized_weight().to(x.dtype)
+        weight = self._cached if self._cached is not None else self.dequantized_weight()
+        weight = weight.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
+
+    def _forward_triton(self, x: Tensor) -> Tensor:
+        # imported here: triton reads TRITON_INTERPRET when the kernels are first decorated,
+        # and a model that never runs them should not pay for importing them
+        from ptq import kernels
+
+        w = self.scheme.weights
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.scheme.format == "pack-quantized":
+            if not w.symmetric and self._zero_unpacked is None:
+                self._zero_unpacked = self.quantized_weight().zero
+            return kernels.wna16_matmul(
+                x, self.weight_packed, self.weight_scale, bits=w.num_bits, group_size=w.group_size,
+                weight_zero_point=self._zero_unpacked, g_idx=getattr(self, "weight_g_idx", None), bias=bias,
+            )
+        linear = kernels.w8a8_fp8_linear if w.type == "float" else kernels.w8a8_int8_linear
+        return linear(x, self.weight, self.weight_scale, bias=bias, input_scale=getattr(self, "input_scale", None))
 
     def _fake_quantize_input(self, x: Tensor, acts: QuantArgs) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
@@ -131,3 +161,16 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"weights={w.type}{w.num_bits} {w.strategy}{group}, symmetric={w.symmetric}"
         )
+
+
+@contextmanager
+def cached_weight(module: nn.Module) -> Iterator[None]:
+    """Within the block, a QuantLinear dequantizes its weight once instead of per call."""
+    if not isinstance(module, QuantLinear):
+        yield
+        return
+    module._cached = module.dequantized_weight()
+    try:
+        yield
+    finally:
+        module._cached = None

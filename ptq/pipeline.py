@@ -19,13 +19,14 @@ from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
 from ptq.arch import find_blocks
 from ptq.calibration.data import calibration_batches
-from ptq.calibration.observers import HessianObserver
-from ptq.calibration.runner import BlockRun, run_blocks
+from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
+from ptq.calibration.runner import BlockRun, Inputs, run_blocks
+from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
-from ptq.primitives import QuantizedWeight
+from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
-from ptq.recipe import GPTQStep, Recipe, RTNStep, WeightStep, load_recipe
+from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
 
 
 @dataclass
@@ -36,6 +37,10 @@ class QuantizationReport:
     layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # where the time went, seconds
+
+    def add_time(self, what: str, seconds: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + seconds
 
 
 def compute_dtype_for(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -101,7 +106,7 @@ def quantize(
     model.eval()
     report = QuantizationReport(recipe, checkpoint_dtype, compute_dtype)
 
-    if isinstance(step, RTNStep):
+    if not needs_calibration(step):
         _quantize_rtn(model, linears, step, report)
     else:
         cal = recipe.calibration
@@ -115,8 +120,37 @@ def quantize(
     return model
 
 
-def _replace(model: nn.Module, name: str, linear: nn.Linear, qw: QuantizedWeight, step: WeightStep) -> None:
-    model.set_submodule(name, QuantLinear.from_quantized(linear, qw, step.scheme))
+def needs_calibration(step: WeightStep) -> bool:
+    """GPTQ needs Hessians; static activation scales need the activations' range."""
+    acts = step.scheme.input_activations
+    return isinstance(step, GPTQStep) or (acts is not None and not acts.dynamic)
+
+
+def _replace(
+    model: nn.Module, name: str, linear: nn.Linear, qw: QuantizedWeight, step: WeightStep, input_scale=None
+) -> QuantLinear:
+    module = QuantLinear.from_quantized(linear, qw, step.scheme, input_scale)
+    model.set_submodule(name, module)
+    return module
+
+
+def _make_observer(step: WeightStep) -> Callable[[], Observers]:
+    """What a stage's shared input is observed for: the Hessian (GPTQ), the range (static acts)."""
+    wanted = {}
+    if isinstance(step, GPTQStep):
+        wanted["hessian"] = HessianObserver
+    if needs_calibration(step) and step.scheme.input_activations is not None:
+        wanted["absmax"] = AbsMaxObserver
+    return lambda: Observers(**{name: make() for name, make in wanted.items()})
+
+
+def _input_scale(absmax: torch.Tensor, step: WeightStep, dtype: torch.dtype) -> torch.Tensor | None:
+    """Static per-tensor activation scale from the calibrated max |x|."""
+    acts = step.scheme.input_activations
+    if acts is None or acts.dynamic:
+        return None
+    peak = absmax.max().reshape(1, 1)
+    return qparams_from_minmax(-peak, peak, acts, dtype)[0].reshape(1)
 
 
 def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report) -> None:
@@ -126,64 +160,63 @@ def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightS
         report.layers[name] = "rtn"
 
 
-def _quantize_with_calibration(model, linears, step: GPTQStep, batches, device, report, show_progress) -> None:
-    blocks_path, blocks = find_blocks(model)
+def _quantize_with_calibration(model, linears, step: WeightStep, batches, device, report, show_progress) -> None:
+    blocks_path, _ = find_blocks(model)
     inside = {n: m for n, m in linears.items() if n.startswith(blocks_path + ".")}
     outside = {n: m for n, m in linears.items() if n not in inside}
     if outside:  # no calibration inputs are captured outside the blocks (e.g. lm_head)
         _quantize_rtn(model, outside, step, report)
         report.notes.append(f"RTN for Linears outside the decoder blocks: {', '.join(outside)}")
 
-    def process(run: BlockRun) -> None:
+    orders: dict[tuple, Stages] = {}  # blocks of one class and Linears run in one order
+    make_observer = _make_observer(step)
+
+    def process(run: BlockRun) -> Inputs | None:
         prefix = run.name + "."
         mine = {n[len(prefix):]: m for n, m in inside.items() if n.startswith(prefix)}
-        stages = linear_stages(run, mine) if step.true_sequential else [list(mine)]
-        for i, stage in enumerate(stages):
-            # each pass stops where the next stage starts: nothing after it is needed yet
-            stop_at = mine[stages[i + 1][0]] if i + 1 < len(stages) else None
-            observers = run.collect({n: mine[n] for n in stage}, HessianObserver, stop_at=stop_at)
-            for rel in stage:
-                _gptq_one(model, prefix + rel, mine[rel], observers[rel].value, step, report)
+        key = (type(run.block), tuple(mine))
+        order = orders[key] if key in orders else orders.setdefault(key, execution_stages(run, mine))
+        if order.never_called:
+            _quantize_rtn(model, {prefix + n: mine[n] for n in order.never_called}, step, report)
+            report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
+
+        def quantize_one(rel: str, observer: Observers) -> nn.Module:
+            return _quantize_one(model, prefix + rel, mine[rel], observer.value, step, report)
+
+        start = time.perf_counter()
+        if step.true_sequential and order.called_once:
+            outputs = quantize_block_sequentially(run, order.stages, mine, make_observer, quantize_one)
+        else:
+            outputs = None
+            groups = order.stages if step.true_sequential else [sum(order.stages, [])]
+            for i, group in enumerate(groups):
+                stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) else None
+                observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
+                for rel in group:
+                    quantize_one(rel, observers[rel])
+        report.add_time("calibration passes", time.perf_counter() - start)
+        return outputs
 
     run_blocks(model, blocks_path, batches, process, device=device, propagate=step.propagate,
                show_progress=show_progress)
 
 
-@torch.no_grad()
-def linear_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> list[list[str]]:
-    """The Linears in execution order, grouped when they read the same input (q/k/v, gate/up)."""
-    calls: list[tuple[str, torch.Tensor]] = []
-    handles = [
-        m.register_forward_pre_hook(lambda _m, args, name=n: calls.append((name, args[0])))
-        for n, m in linears.items()
-    ]
-    try:
-        args, kwargs = run.inputs[0]
-        run.block(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    stages: list[list[str]] = []
-    previous = None
-    for name, x in calls:
-        if any(name in stage for stage in stages):
-            continue  # a Linear called twice in one pass keeps its first place
-        if stages and x is previous:
-            stages[-1].append(name)
-        else:
-            stages.append([name])
-        previous = x
-    missing = [n for n in linears if not any(n in stage for stage in stages)]
-    return stages + ([missing] if missing else [])
-
-
-def _gptq_one(model, name, linear, hessian, step: GPTQStep, report) -> None:
-    result = gptq(
-        linear.weight.detach(), hessian, step.scheme.weights,
-        scale_dtype=report.checkpoint_dtype, block_size=step.block_size, damp=step.damp,
-        actorder=step.actorder, scales=step.scales,
-    )
-    _replace(model, name, linear, result.weight, step)
-    report.layers[name] = "gptq" if result.fallback is None else "rtn (fallback)"
-    if result.fallback:
-        report.notes.append(f"{name}: GPTQ fell back to RTN: {result.fallback}")
+def _quantize_one(model, name, linear, stats: dict, step: WeightStep, report) -> nn.Module:
+    """Quantize one Linear from its calibration statistics and install its QuantLinear."""
+    args = step.scheme.weights
+    if isinstance(step, GPTQStep):
+        start = time.perf_counter()
+        result = gptq(
+            linear.weight.detach(), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
+            block_size=step.block_size, damp=step.damp, actorder=step.actorder, scales=step.scales,
+        )
+        report.add_time("GPTQ solves", time.perf_counter() - start)
+        qw = result.weight
+        report.layers[name] = "gptq" if result.fallback is None else "rtn (fallback)"
+        if result.fallback:
+            report.notes.append(f"{name}: GPTQ fell back to RTN: {result.fallback}")
+    else:
+        qw = rtn(linear.weight.detach(), args, report.checkpoint_dtype)
+        report.layers[name] = "rtn"
+    scale = _input_scale(stats["absmax"], step, report.checkpoint_dtype) if "absmax" in stats else None
+    return _replace(model, name, linear, qw, step, scale)

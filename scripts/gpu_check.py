@@ -3,7 +3,8 @@
     1. kernel tests on the GPU, compiled for real (no interpreter): pytest tests/kernels
     2. benchmark on Llama-3-8B shapes (ptq.kernels.bench), then the autotuned kernels that the
        benchmark chose compared with their torch references on the same shapes
-    (3. is added later by the lead: quantize the bundled model and generate)
+    3. quantize the bundled model (W4A16 GPTQ, W8A16 RTN), load each checkpoint with the kernels,
+       generate text, and compare the kernels' logits with the dequantized torch reference
 
 Run it from the repository root: `bash scripts/gpu_check.sh` (or `python scripts/gpu_check.py`).
 Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 0 otherwise.
@@ -83,6 +84,42 @@ def step_bench(quick: bool) -> bool:
     return check_autotuned(shapes, (1, 16, 256))
 
 
+def step_model() -> bool:
+    """Quantize the bundled model, load it with kernels on the GPU, generate, compare logits."""
+    import tempfile
+
+    import ptq
+    from ptq.recipe import parse_recipe
+
+    ok = True
+    recipes = {
+        "W4A16 GPTQ": {"calibration": {"samples": 32, "seq_len": 512}, "steps": [{"gptq": {"scheme": "W4A16"}}]},
+        "W8A16 RTN": {"steps": [{"rtn": {"scheme": "W8A16"}}]},
+    }
+    for name, data in recipes.items():
+        model, tokenizer = ptq.load_model()
+        ptq.quantize(model, parse_recipe(data), tokenizer=tokenizer, device="cuda", show_progress=False)
+        with tempfile.TemporaryDirectory() as folder:
+            ptq.save(model, f"{folder}/q", tokenizer=tokenizer)
+            kernels = ptq.load(f"{folder}/q", device="cuda", backend="triton")
+            reference = ptq.load(f"{folder}/q", device="cuda", backend="torch")
+        windows = ptq.eval_windows(tokenizer, seq_len=512, max_windows=8).cuda()
+        with torch.no_grad():
+            a, b = kernels(windows).logits.float(), reference(windows).logits.float()
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        quality = ptq.evaluate(kernels, windows.cpu(), reference=reference, show_progress=False)
+        prompt = tokenizer("The list type is", return_tensors="pt").input_ids.cuda()
+        text = tokenizer.decode(kernels.generate(prompt, max_new_tokens=24, do_sample=False)[0])
+        good = err < 2**-6 and agree > 0.99
+        ok &= good
+        print(f"  {name}: kernel vs reference logits max rel err {err:.1e}, top-1 agreement {100 * agree:.2f}%, "
+              f"KL {quality.kl:.2e}, ppl {quality.perplexity:.3f} vs {quality.reference_perplexity:.3f} "
+              f"{'ok' if good else 'FAIL'}")
+        print(f"    generated: {text!r}")
+    return ok
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
@@ -106,7 +143,7 @@ def main(argv=None) -> int:
     results = {}
     steps = [("1 kernel tests", step_tests)] if not args.skip_tests else []
     steps.append(("2 benchmark + autotuned check", lambda: step_bench(args.quick)))
-    # Step 3 (the lead adds it here): quantize the bundled model and generate.
+    steps.append(("3 bundled model with kernels", step_model))
     for name, step in steps:
         print(f"[{name}]")
         start = time.time()

@@ -70,3 +70,18 @@ class MeanAbsObserver(Observer):
     def value(self) -> Tensor:
         assert self.sum is not None, "no calibration batch reached this Linear"
         return self.sum / self.tokens
+
+
+class Observers(Observer):
+    """Several observers fed the same inputs: value is a dict of their values by name."""
+
+    def __init__(self, **observers: Observer) -> None:
+        self.observers = observers
+
+    def update(self, x: Tensor) -> None:
+        for observer in self.observers.values():
+            observer.update(x)
+
+    @property
+    def value(self) -> dict[str, Tensor]:
+        return {name: observer.value for name, observer in self.observers.items()}

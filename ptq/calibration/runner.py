@@ -155,7 +155,7 @@ def run_blocks(
     model: nn.Module,
     blocks_path: str,
     batches: Tensor,
-    process: Callable[[BlockRun], None],
+    process: Callable[[BlockRun], Inputs | None],
     *,
     device: torch.device,
     batch_size: int = 8,
@@ -163,6 +163,9 @@ def run_blocks(
     show_progress: bool = True,
 ) -> None:
     """Call process(run) for each block in order, feeding it the calibration inputs.
+
+    process may return the block's outputs (when it computed them on the way); otherwise
+    they are computed by running the processed block.
 
     propagate="quantized": each block's inputs are the outputs of the already-processed
     previous block; "original": the outputs the previous block gave before processing.
@@ -174,5 +177,8 @@ def run_blocks(
         with _onloaded(block, device):
             run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
             original_outputs = run.outputs() if propagate == "original" else None
-            process(run)
-            inputs = original_outputs if original_outputs is not None else run.outputs()
+            outputs = process(run)
+            if original_outputs is not None:
+                inputs = original_outputs
+            else:
+                inputs = outputs if outputs is not None else run.outputs()

@@ -55,12 +55,22 @@ def _group_schemes(qconfig: dict) -> list[tuple[list[str], Scheme, str | None]]:
     return schemes
 
 
-def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+def load(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> nn.Module:
     """A causal LM from a compressed-tensors checkpoint folder written by ptq (or compatible).
 
     dtype: the dtype of unquantized parameters and of the compute (default float32 on a
     CPU, the checkpoint's dtype elsewhere). Quantized tensors keep their stored dtypes.
+    backend: how QuantLinears compute: "auto" (Triton kernels on CUDA, the torch
+    reference elsewhere), "triton" or "torch".
     """
+    if backend not in ("auto", "triton", "torch"):
+        raise PtqError(f"backend '{backend}' is not one of auto, triton, torch")
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise PtqError(f"'{folder}' is not a model folder (no config.json)")
@@ -85,6 +95,7 @@ def load(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.d
             if matches(name, module, targets):
                 quant = _empty_quant_linear(module, scheme, name, tensors)
                 quant.actorder = actorder
+                quant.backend = backend
                 model.set_submodule(name, quant)
                 break
     state = {k: (v.to(dtype) if _is_plain_float(k, v) else v) for k, v in tensors.items()}

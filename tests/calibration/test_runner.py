@@ -7,7 +7,7 @@ from torch import nn
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
 from ptq.calibration.runner import run_blocks
-from ptq.pipeline import linear_stages
+from ptq.calibration.sequential import execution_stages
 from tests.conftest import tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
@@ -43,7 +43,7 @@ def test_shared_inputs_share_one_hessian(family):
         if run.index:
             return
         linears = {n: m for n, m in run.block.named_modules() if isinstance(m, nn.Linear)}
-        result["stages"] = linear_stages(run, linears)
+        result["stages"] = execution_stages(run, linears).stages
         result["observers"] = run.collect(linears, HessianObserver)
 
     run_blocks(model, path, ids, process, device=torch.device("cpu"), show_progress=False)

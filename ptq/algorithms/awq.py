@@ -1,0 +1,254 @@
+"""AWQ: activation-aware scaling (and clipping) of weights before round-to-nearest.
+
+Scaling the input columns of the balance Linears by s and dividing the previous op's
+output by s leaves the model unchanged in full precision (see ptq.algorithms.smoothquant),
+but changes what quantization does: columns that meet large activations get a finer grid.
+AWQ searches s on a grid (Lin et al., 2024; as llm-awq `auto_scale`, llm-compressor's
+AWQModifier):
+
+    x̄ = mean |x| per input channel (calibration tokens),
+    w̄ = mean over output rows of |W| / max|W| within each quantization group,
+    s(r) = x̄^r / w̄^(1−r)  ("duo" scaling)  or  x̄^r  (activation only),  r = i / n_grid,
+    s ← s / sqrt(max(s)·min(s)),
+    loss(s) = MSE of the inspected module's output with Q(W·diag(s))·diag(1/s) in place of W.
+
+The loss never touches the previous op: Q(W s)·(x/s) = (Q(W s)/s)·x, so replacing W by
+Q(W s)/s on the unchanged input is the same computation. The identity s = 1 (plain RTN)
+is tried too, so the search never picks scales worse than RTN on the calibration loss.
+Optional clipping (llm-awq `auto_clip`) then shrinks each group's range where that lowers
+the group's output error.
+
+Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
+`apply_awq_` and `apply_clip_` change modules in place. All arithmetic is float32 and
+follows the inputs' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ptq.algorithms.smoothquant import apply_smoothing_
+from ptq.errors import PtqError
+from ptq.primitives import fake_quantize, num_groups
+from ptq.schemes import QuantArgs
+
+MIN_SCALE = 1e-4
+Inputs = Sequence[tuple[tuple, dict]]  # per batch: the inspected module's args and kwargs
+
+
+@dataclass(frozen=True)
+class AWQResult:
+    """The chosen scales and how they were chosen."""
+
+    scales: Tensor  # [in] float32, multiply the balance Linears' columns, divide the smooth op
+    ratio: float | None  # r of the best grid point; None when s = 1 (plain RTN) was best
+    loss: float  # loss(scales)
+    baseline_loss: float  # loss(ones): plain RTN
+    duo_scaling: bool  # whether the best grid point used w̄ (meaningless when ratio is None)
+
+
+def weight_mean(weights: Sequence[Tensor], args: QuantArgs) -> Tensor:
+    """w̄ [in]: mean over all rows of the balance weights of |W| / max|W| per quantization group."""
+    W = torch.cat([w.detach().float() for w in weights]).abs()  # [out_total, in]
+    rows, cols = W.shape
+    if args.strategy == "group":
+        n = num_groups(cols, args)
+        grouped = W.view(rows, n, cols // n)  # [out, groups, group_size]
+        W = (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).view(rows, cols)
+    elif args.strategy == "tensor":
+        W = W / (W.amax() + 1e-6)
+    else:  # channel: the group is the whole row
+        W = W / (W.amax(dim=1, keepdim=True) + 1e-6)
+    return W.mean(dim=0)  # [in]
+
+
+def grid_scales(x_mean: Tensor, w_mean: Tensor | None, ratio: float) -> Tensor:
+    """s [in] for one grid point: x̄^r / w̄^(1−r) (w_mean given) or x̄^r, normalized, clamped."""
+    scales = x_mean.pow(ratio)
+    if w_mean is not None:
+        scales = scales / (w_mean.pow(1.0 - ratio) + MIN_SCALE)
+    scales = scales.clamp(min=MIN_SCALE)
+    scales = scales / (scales.max() * scales.min()).sqrt()
+    scales = torch.where(torch.isfinite(scales), scales, torch.ones_like(scales))
+    return scales.clamp(min=MIN_SCALE)
+
+
+@torch.no_grad()
+def awq_search(
+    x_mean: Tensor,
+    weights: Sequence[Tensor],
+    loss: Callable[[Tensor], float],
+    *,
+    args: QuantArgs,
+    n_grid: int = 20,
+    duo_scaling: bool | Literal["both"] = True,
+) -> AWQResult:
+    """Grid-search AWQ scales for balance weights [out_i, in] fed by activations with mean|x| [in].
+
+    loss(s) returns the error of the inspected module when its balance weights are scaled by
+    s and fake-quantized with args (see `make_module_loss`). duo_scaling=True uses
+    x̄^r / w̄^(1−r), False x̄^r, "both" searches both grids (2·n_grid evaluations). Non-finite
+    losses (an fp16 overflow in the module) never win; PtqError if no loss is finite.
+    """
+    if n_grid < 1:
+        raise ValueError(f"n_grid must be at least 1, got {n_grid}")
+    x_mean = x_mean.detach().float().clamp(min=0)  # [in]
+    w_mean = weight_mean(weights, args).to(x_mean.device)  # [in]
+    if w_mean.shape != x_mean.shape:
+        raise ValueError(f"x_mean has {x_mean.numel()} channels, the weights have {w_mean.numel()} columns")
+
+    ones = torch.ones_like(x_mean)
+    baseline = _finite(loss(ones))
+    best = AWQResult(ones, None, baseline, baseline, False)
+    grids = {True: (True,), False: (False,), "both": (True, False)}[duo_scaling]
+    for duo in grids:
+        for i in range(n_grid):
+            ratio = i / n_grid
+            scales = grid_scales(x_mean, w_mean if duo else None, ratio)
+            value = _finite(loss(scales))
+            if value < best.loss:
+                best = AWQResult(scales, ratio, value, baseline, duo)
+    if best.loss == float("inf"):
+        raise PtqError(
+            "AWQ found no finite loss: the inspected module gives NaN/Inf on the calibration "
+            "inputs (an fp16 overflow?); load the model in bfloat16 or float32"
+        )
+    return best
+
+
+def _finite(value: float) -> float:
+    value = float(value)
+    return value if value == value and value != float("inf") else float("inf")
+
+
+def make_module_loss(
+    module: nn.Module,
+    balance: Sequence[nn.Linear],
+    inputs: Inputs,
+    reference_outputs: Sequence[Tensor] | None = None,
+    *,
+    args: QuantArgs,
+    scale_dtype: torch.dtype = torch.float32,
+) -> Callable[[Tensor], float]:
+    """loss(s): MSE of module's output when each balance weight W is Q(W·diag(s))·diag(1/s).
+
+    inputs are the cached (args, kwargs) of each calibration batch reaching `module`;
+    reference_outputs its full-precision outputs for them (computed now when None). A tuple
+    output counts by its first element. The weights are swapped only during a call and
+    restored (the very same tensors) even if the forward raises. Q rounds its scales to
+    scale_dtype, as the checkpoint will; the error is summed in float32.
+    """
+    if reference_outputs is None:
+        reference_outputs = _run(module, inputs)
+    reference = list(reference_outputs)
+
+    @torch.no_grad()
+    def loss(scales: Tensor) -> float:
+        originals = [linear.weight.data for linear in balance]
+        try:
+            for linear, W in zip(balance, originals):
+                s = scales.to(device=W.device, dtype=torch.float32).view(1, -1)  # [1, in]
+                linear.weight.data = (fake_quantize(W.float() * s, args, scale_dtype) / s).to(W.dtype)
+            outputs = _run(module, inputs)
+        finally:
+            for linear, W in zip(balance, originals):
+                linear.weight.data = W
+        return _mse(reference, outputs)
+
+    return loss
+
+
+@torch.no_grad()
+def _run(module: nn.Module, inputs: Inputs) -> list[Tensor]:
+    outputs = []
+    for args, kwargs in inputs:
+        out = module(*args, **kwargs)
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def _mse(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:
+    total, count = 0.0, 0
+    for ref, out in zip(reference, outputs):
+        total += float((out.float() - ref.float().to(out.device)).pow(2).sum())
+        count += ref.numel()
+    return total / max(count, 1)
+
+
+def apply_awq_(smooth: nn.Module, balance: Sequence[nn.Linear], scales: Tensor) -> None:
+    """Fold AWQ scales into the model in place (smooth op / s, balance columns · s)."""
+    apply_smoothing_(smooth, balance, scales)
+
+
+@torch.no_grad()
+def awq_clip_search(
+    W: Tensor,
+    X: Tensor,
+    args: QuantArgs,
+    *,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    n_sample_tokens: int = 512,
+    scale_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Best clipping value max_val [out, n_groups] per row and quantization group of W [out, in].
+
+    For i = 0 .. int(max_shrink·n_grid) − 1 the range of each group is clamped to
+    ±max|w|·(1 − i/n_grid) before fake-quantizing; the kept value minimizes that group's
+    contribution to the output error on X [tokens, in] (evenly strided to n_sample_tokens).
+    i = 0 is no clipping, so clipping never raises a group's error on the sample.
+
+    As in llm-awq, callers skip the Linears whose outputs meet in q·kᵀ (q_proj, k_proj):
+    their error is not measured by a per-Linear output loss. Integer group or channel
+    schemes only.
+    """
+    if args.type != "int" or args.strategy not in ("group", "channel"):
+        raise ValueError(f"clip search needs an int group or channel scheme, got {args.type}/{args.strategy}")
+    W = W.detach().float()  # [out, in]
+    rows, cols = W.shape
+    n = num_groups(cols, args)
+    size = cols // n
+    X = X.detach().reshape(-1, cols).float().to(W.device)  # [tokens, in]
+    X = X[:: max(1, X.shape[0] // n_sample_tokens)][:n_sample_tokens]
+    Xg = X.view(X.shape[0], n, size)  # [tokens, groups, group_size]
+
+    chunk = max(1, (1 << 24) // max(1, X.shape[0] * n))  # rows per pass: bounds [rows, tokens, groups]
+    best_all = []
+    for Wc in W.split(chunk):
+        best_all.append(_clip_rows(Wc.view(-1, n, size), Xg, args, n_grid, max_shrink, scale_dtype))
+    return torch.cat(best_all)  # [out, groups]
+
+
+def _clip_rows(w: Tensor, Xg: Tensor, args: QuantArgs, n_grid: int, max_shrink: float, scale_dtype) -> Tensor:
+    """w [rows, groups, group_size], Xg [tokens, groups, group_size] -> best max [rows, groups]."""
+    rows, n, size = w.shape
+    full_max = w.abs().amax(dim=-1, keepdim=True)  # [rows, groups, 1]
+    reference = torch.einsum("tgk,rgk->rtg", Xg, w)  # [rows, tokens, groups]
+    best_max = full_max.clone()
+    best_err = torch.full((rows, n, 1), float("inf"), device=w.device)
+    for i in range(int(max_shrink * n_grid)):
+        max_val = full_max * (1 - i / n_grid)  # [rows, groups, 1]
+        clipped = torch.maximum(torch.minimum(w, max_val), -max_val)
+        q = fake_quantize(clipped.view(rows, n * size), args, scale_dtype).view(rows, n, size)
+        err = (torch.einsum("tgk,rgk->rtg", Xg, q) - reference).pow(2).mean(dim=1)  # [rows, groups]
+        better = err.unsqueeze(-1) < best_err
+        best_err = torch.where(better, err.unsqueeze(-1), best_err)
+        best_max = torch.where(better, max_val, best_max)
+    return best_max.squeeze(-1)
+
+
+@torch.no_grad()
+def apply_clip_(linear: nn.Linear, max_val: Tensor) -> None:
+    """Clamp linear's weight in place to ±max_val [out, n_groups] per row and group."""
+    W = linear.weight
+    rows, cols = W.shape
+    if max_val.shape[0] != rows or cols % max_val.shape[1]:
+        raise ValueError(f"max_val {tuple(max_val.shape)} does not fit a weight of shape {tuple(W.shape)}")
+    bound = max_val.to(device=W.device, dtype=torch.float32)  # [out, groups]
+    bound = bound.repeat_interleave(cols // max_val.shape[1], dim=1)  # [out, in]
+    W.copy_(torch.maximum(torch.minimum(W.float(), bound), -bound).to(W.dtype))  # [out, in]

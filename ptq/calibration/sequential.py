@@ -1,0 +1,197 @@
+"""True-sequential quantization of one block, computing each Linear once.
+
+The block's Linears are grouped into stages in execution order, Linears reading the same
+input sharing a stage (q/k/v, then o, then gate/up, then down). Stage k is calibrated on
+inputs produced by the already-quantized stages before it:
+
+- a pass runs every batch through the block and stops at the stage's first Linear, whose
+  input is recorded and fed to the stage's (shared) observer;
+- the stage is quantized, and the quantized Linears' outputs are computed once from the
+  recorded inputs;
+- in later passes those modules are replaced by replays of their outputs, so no Linear
+  is computed twice; once every Linear inside a submodule (self_attn, mlp) is quantized,
+  that submodule's output is recorded in the next pass and replayed whole instead.
+
+The last pass gives the block's outputs: the next block's inputs. The cost per block is
+about one forward pass of its Linears plus a few passes of the glue between them
+(attention core, norms), instead of two or more full passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ptq.calibration.observers import Observer
+from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden
+from ptq.modules import cached_weight
+
+
+@dataclass
+class _Batch:
+    index: int = 0
+
+
+class _Replay(nn.Module):
+    """Stands in for a module whose outputs on the calibration batches are known."""
+
+    def __init__(self, outputs: list, batch: _Batch):
+        super().__init__()
+        self.outputs = outputs
+        self.batch = batch
+
+    def forward(self, *_args, **_kwargs):
+        # a copy, so in-place ops downstream cannot corrupt what the next pass replays
+        return _clone(self.outputs[self.batch.index])
+
+
+def _clone(value):
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class Stages:
+    stages: list[list[str]]  # in execution order; a stage's Linears read the same input
+    never_called: list[str]  # target Linears the block's forward does not use
+    called_once: bool  # every Linear ran once per forward pass (replaying needs that)
+
+
+@torch.no_grad()
+def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
+    """Group the Linears by one forward pass of the first batch through the block."""
+    calls: list[tuple[str, Tensor]] = []
+    handles = [
+        m.register_forward_pre_hook(lambda _m, args, name=n: calls.append((name, args[0])))
+        for n, m in linears.items()
+    ]
+    try:
+        args, kwargs = run.inputs[0]
+        run.block(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    stages: list[list[str]] = []
+    previous = None
+    for name, x in calls:
+        if any(name in stage for stage in stages):
+            continue
+        if stages and x is previous:
+            stages[-1].append(name)
+        else:
+            stages.append([name])
+        previous = x
+    once = len(calls) == len({name for name, _ in calls})
+    missing = [n for n in linears if not any(n in stage for stage in stages)]
+    return Stages(stages, missing, once)
+
+
+@contextmanager
+def _replaying(block: nn.Module, replays: dict[str, list], batch: _Batch) -> Iterator[None]:
+    originals = {name: block.get_submodule(name) for name in replays}
+    for name, outputs in replays.items():
+        block.set_submodule(name, _Replay(outputs, batch))
+    try:
+        yield
+    finally:
+        for name, module in originals.items():
+            block.set_submodule(name, module)
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _complete_ancestors(replays: dict[str, list], linears: dict[str, nn.Linear], done: set[str]) -> list[str]:
+    """Submodules all of whose target Linears are quantized and not yet replayed whole."""
+    found = []
+    for name in {a for n in replays for a in _ancestors(n)}:
+        inside = [n for n in linears if n.startswith(name + ".")]
+        if name not in done and inside and all(n in done for n in inside):
+            found.append(name)
+    return sorted(found, key=len)
+
+
+@torch.no_grad()
+def quantize_block_sequentially(
+    run: BlockRun,
+    stages: list[list[str]],
+    linears: dict[str, nn.Linear],
+    make_observer: Callable[[], Observer],
+    quantize: Callable[[str, Observer], nn.Module],
+) -> Inputs:
+    """Quantize the stages in order (quantize(name, observer) returns the installed module);
+    return the block's outputs computed with the quantized Linears."""
+    batch = _Batch()
+    replays: dict[str, list] = {}
+    done: set[str] = set()
+    for stage in stages:
+        observer = make_observer()
+        recorded: list[Tensor] = []
+        pending = _complete_ancestors(replays, linears, done)
+        outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded)
+        _coarsen(replays, pending, outputs, done, len(run.inputs))
+        for name in stage:
+            module = quantize(name, observer)
+            with cached_weight(module):
+                replays[name] = [module(x) for x in recorded]
+            done.add(name)
+        del recorded
+    pending = _complete_ancestors(replays, linears, done)
+    next_inputs: Inputs = []
+    with _replaying(run.block, replays, batch):
+        for batch.index, (args, kwargs) in enumerate(run.inputs):
+            next_inputs.append(_with_hidden(args, kwargs, _hidden(run.block(*args, **kwargs))))
+    return next_inputs
+
+
+def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded) -> dict[str, list]:
+    """One pass over the batches that records (and observes) the stage's input."""
+    outputs: dict[str, list] = {name: [] for name in pending}
+
+    def take_input(_module, args):
+        recorded.append(args[0])
+        observer.update(args[0])
+        raise _StopForward
+
+    with _replaying(run.block, replays, batch):
+        handles = [first.register_forward_pre_hook(take_input)]
+        handles += [
+            run.block.get_submodule(name).register_forward_hook(
+                lambda _m, _a, out, name=name: outputs[name].append(out)
+            )
+            for name in pending
+        ]
+        try:
+            for batch.index, (args, kwargs) in enumerate(run.inputs):
+                try:
+                    run.block(*args, **kwargs)
+                except _StopForward:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+    return outputs
+
+
+def _coarsen(
+    replays: dict[str, list], pending: list[str], outputs: dict[str, list], done: set[str], batches: int
+) -> None:
+    """Replay whole submodules whose outputs were recorded for every batch."""
+    for name in pending:
+        if any(name.startswith(other + ".") for other in pending if other != name):
+            continue  # an enclosing module is replayed instead
+        if len(outputs[name]) != batches:
+            continue  # it did not finish before the pass stopped
+        for inner in [n for n in replays if n.startswith(name + ".")]:
+            del replays[inner]
+        replays[name] = outputs[name]
+        done.add(name)

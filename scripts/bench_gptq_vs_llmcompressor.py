@@ -1,0 +1,161 @@
+"""GPTQ W4A16 (group 128, actorder static): ptq against llm-compressor, in one run.
+
+    python -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor
+    python scripts/bench_gptq_vs_llmcompressor.py --llmc-python /tmp/llmc/bin/python
+
+Both tools quantize the same checkpoints (saved in bf16, as users load them) on the same
+calibration token ids (default 32 x 512 from the bundled text), each in its own process
+so that peak RSS is its own. llm-compressor is never a ptq dependency: it runs from the
+virtual environment given by --llmc-python, in two settings: the model loaded in bf16 (as
+given) and in float32. ptq picks its compute dtype itself (float32 on a CPU).
+
+Models: the bundled trained model (quality: perplexity of each result on the held-out
+text) and a random-initialised Llama (hidden 1024, intermediate 2816, 4 layers, vocab
+32000: speed). The table shows wall time end to end (load, calibrate, quantize, save),
+the time inside the GPTQ solves, peak RSS, and perplexity; then the floor estimate: the
+FLOPs of one forward pass of the blocks' Linears plus the Hessians, over the matmul
+GFLOP/s measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve()
+RANDOM_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                     num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
+    """The two model folders (bf16 + tokenizer) and the calibration ids file."""
+    import transformers
+
+    from ptq.calibration.data import calibration_batches
+    from ptq.models import bundled_model_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_path())
+    ids = calibration_batches(tokenizer, "builtin", samples=samples, seq_len=seq_len, seed=0)
+    torch.save(ids, work / "ids.pt")
+    random_path = work / "random-llama"
+    if not (random_path / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**RANDOM_CONFIG)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(random_path)
+        tokenizer.save_pretrained(random_path)
+    return {"bundled": bundled_model_path(), "random": random_path, "ids": work / "ids.pt"}
+
+
+def ptq_worker(model_path: str, ids_path: str, out: str) -> dict:
+    import ptq
+    from ptq.recipe import parse_recipe
+
+    start = time.perf_counter()
+    ids = torch.load(ids_path)
+    model, tokenizer = ptq.load_model(model_path)
+    recipe = parse_recipe({
+        "calibration": {"samples": ids.shape[0], "seq_len": ids.shape[1]},
+        "steps": [{"gptq": {"scheme": "W4A16", "actorder": "static"}}],
+    })
+    ptq.quantize(model, recipe, tokenizer=tokenizer, data=ids, show_progress=False)
+    ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
+    timings = model.ptq_report.timings
+    return {"wall": time.perf_counter() - start, "gptq": timings.get("GPTQ solves", 0.0),
+            "peak_rss_mb": peak_rss_mb(), "timings": timings}
+
+
+def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str) -> dict:
+    command = [python, str(HERE), "--worker", tool, "--model", str(model), "--ids", str(ids), "--out", str(out),
+               "--dtype", dtype]
+    if tool == "llmcompressor":
+        command[1] = str(HERE.parent / "llmcompressor_worker.py")
+        command = command[:2] + command[4:]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{tool} worker failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def perplexity(path: Path) -> float:
+    import transformers
+
+    import ptq
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    windows = ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
+    return ptq.evaluate(ptq.load(path), windows, show_progress=False).perplexity
+
+
+def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float]:
+    """(FLOPs of one pass of the blocks' Linears + attention + shared Hessians, floor s)."""
+    import transformers
+
+    c = transformers.AutoConfig.from_pretrained(model)
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    linears = h * (2 * h + 2 * kv) + 3 * h * i  # q, o, k, v, gate, up, down: MACs per token
+    hessians = 3 * h * h + i * i  # q/k/v share one, o, gate/up share one, down
+    attention = 2 * seq * h  # scores and weighted sum, per token (full, as the CPU kernels do)
+    flops = 2 * samples * seq * c.num_hidden_layers * (linears + hessians + attention)
+    a, b = torch.randn(4096, 1024), torch.randn(1024, 2816)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    gflops = 5 * 2 * 4096 * 1024 * 2816 / (time.perf_counter() - start) / 1e9
+    return flops, flops / (gflops * 1e9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llmc-python", required=False, help="python of a venv with llmcompressor installed")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ptq-bench-gptq"))
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--models", nargs="+", default=["bundled", "random"])
+    parser.add_argument("--llmc-dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--worker", choices=["ptq"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--ids", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "ptq":
+        print(json.dumps(ptq_worker(args.model, args.ids, args.out)))
+        return
+
+    paths = prepare(args.work, args.samples, args.seq_len)
+    rows = []
+    for name in args.models:
+        runs = [("ptq", "auto")] + ([("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else [])
+        for tool, dtype in runs:
+            out = args.work / f"{name}-{tool}-{dtype}"
+            python = sys.executable if tool == "ptq" else args.llmc_python
+            print(f"running {tool} ({dtype}) on the {name} model ...", flush=True)
+            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype)
+            result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
+            rows.append((name, tool, dtype, result))
+            print(f"  {json.dumps(result)}", flush=True)
+    print()
+    print(f"{'model':8} {'tool':14} {'dtype':9} {'wall s':>8} {'GPTQ s':>8} {'peak RSS MB':>12} {'ppl':>9}")
+    for name, tool, dtype, r in rows:
+        print(f"{name:8} {tool:14} {dtype:9} {r['wall']:8.1f} {r['gptq']:8.1f} {r['peak_rss_mb']:12.0f} {r['ppl']:9.3f}")
+    for name in args.models:
+        flops, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
+        print(f"floor ({name}): {flops / 1e12:.2f} TFLOP of Linears + Hessians + attention = {seconds:.1f} s here")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Architecture tables: blocks and smoothing mappings resolve on tiny random models of each
+family; what cannot be smoothed is skipped with a reason; unknown models and bad recipe
+patterns raise PtqError with a message saying how to fix them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from ptq.arch import (
+    ResolvedMapping,
+    SmoothingMapping,
+    architecture_of,
+    block_mappings,
+    find_blocks,
+    mappings_from_patterns,
+    resolve_mappings,
+    smooth_problem,
+    smoothing_mappings,
+)
+from ptq.errors import PtqError
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+def tiny(family: str, kv_heads: int = 2, **extra) -> nn.Module:
+    """hidden 128, 2 layers, 4 heads (kv_heads key/value heads), intermediate 256, vocab 512."""
+    common = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, **extra)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(intermediate_size=256, num_key_value_heads=kv_heads, **common),
+        "mistral": lambda: transformers.MistralConfig(intermediate_size=256, num_key_value_heads=kv_heads, **common),
+        "qwen2": lambda: transformers.Qwen2Config(intermediate_size=256, num_key_value_heads=kv_heads, **common),
+        "qwen3": lambda: transformers.Qwen3Config(intermediate_size=256, num_key_value_heads=kv_heads,
+                                                  head_dim=32, **common),
+        "opt": lambda: transformers.OPTConfig(ffn_dim=256, word_embed_proj_dim=128, **common),
+    }[family]()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def names(resolved: list[ResolvedMapping]) -> list[tuple[str, tuple[str, ...], str]]:
+    return [(r.mapping.smooth, r.mapping.balance, r.mapping.inspect) for r in resolved]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_llama_like_tables_skip_v_to_o_under_gqa(family):
+    model = tiny(family, kv_heads=2)
+    path, blocks = find_blocks(model)
+    assert path == "model.layers"
+    for block in blocks:
+        usable, skipped = block_mappings(model, block)
+        assert names(usable) == [
+            ("input_layernorm", QKV, "self_attn"),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+            ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+        ]
+        assert len(skipped) == 1
+        assert "self_attn.v_proj -> self_attn.o_proj skipped" in skipped[0]
+        assert "64 output channels" in skipped[0] and "128" in skipped[0]
+        assert "grouped-query attention" in skipped[0]
+        # the resolved modules are the block's own
+        assert usable[0].smooth is block.input_layernorm
+        assert usable[0].balance == (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj)
+        assert usable[0].inspect is block.self_attn and usable[0].channels == 128
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_multi_head_attention_keeps_v_to_o(family):
+    model = tiny(family, kv_heads=4)
+    usable, skipped = block_mappings(model, find_blocks(model)[1][0])
+    assert skipped == []
+    assert ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj") in names(usable)
+    assert len(usable) == 4
+
+
+def test_opt_table():
+    model = tiny("opt")
+    path, blocks = find_blocks(model)
+    assert path == "model.decoder.layers"
+    usable, skipped = block_mappings(model, blocks[1])
+    assert skipped == []
+    assert names(usable) == [
+        ("self_attn_layer_norm", QKV, "self_attn"),
+        ("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj"),
+        ("final_layer_norm", ("fc1",), "fc1"),
+    ]
+    assert not any(r.mapping.smooth == "fc1" for r in usable)  # a ReLU sits between fc1 and fc2
+
+
+def test_opt_post_norm_and_weightless_norms_are_skipped_with_reasons():
+    post_norm = tiny("opt", do_layer_norm_before=False)  # as opt-350m
+    usable, skipped = block_mappings(post_norm, find_blocks(post_norm)[1][0])
+    assert names(usable) == [("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj")]
+    assert len(skipped) == 2 and all("do_layer_norm_before is False" in s for s in skipped)
+
+    no_affine = tiny("opt", layer_norm_elementwise_affine=False)
+    usable, skipped = block_mappings(no_affine, find_blocks(no_affine)[1][0])
+    assert len(usable) == 1 and len(skipped) == 2
+    assert all("has no 1-D weight" in s for s in skipped)
+
+
+class _GemmaLikeNorm(nn.Module):
+    """x̂ · (1 + w): scaling w does not scale the output."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + self.weight)
+
+
+def test_norms_whose_output_is_not_proportional_to_weight_are_refused():
+    assert smooth_problem(nn.LayerNorm(16), 16) is None
+    assert smooth_problem(nn.RMSNorm(16), 16) is None
+    assert "not proportional" in smooth_problem(_GemmaLikeNorm(16), 16)
+    assert "16 channels" in smooth_problem(nn.LayerNorm(16), 32)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.ffn = nn.ModuleDict({"a": nn.Linear(32, 64), "b": nn.Linear(32, 64), "out": nn.Linear(64, 32)})
+
+
+class _Unknown(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.ModuleList([_Block(), _Block()])
+
+
+def test_unknown_architecture_needs_mappings_from_the_recipe():
+    model = _Unknown()
+    assert architecture_of(model).blocks == "stack"  # weight quantization still works
+    with pytest.raises(PtqError) as error:
+        smoothing_mappings(model)
+    message = str(error.value)
+    assert "_Unknown has no smoothing mappings" in message
+    assert 'mappings: [{smooth: "re:.*input_layernorm$", balance: ["re:.*q_proj$"' in message
+    assert "inspect: self_attn" in message and "\n" not in message
+    with pytest.raises(PtqError, match="_Unknown has no smoothing mappings"):
+        block_mappings(model, model.stack[0])
+
+
+def test_user_patterns_resolve_like_the_table():
+    model = tiny("llama", kv_heads=4)
+    block = find_blocks(model)[1][0]
+    patterns = [
+        {"smooth": "re:.*input_layernorm$", "balance": ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"],
+         "inspect": "self_attn"},
+        {"smooth": "self_attn.v_proj", "balance": ["re:.*o_proj$"]},  # inspect: the single Linear
+        {"smooth": "re:.*post_attention_layernorm$", "balance": ["re:.*(gate|up)_proj$"]},  # parent
+        {"smooth": "re:.*no_such_norm$", "balance": ["re:.*q_proj$"]},  # not in this block: ignored
+    ]
+    found = mappings_from_patterns(block, patterns)
+    assert found == (
+        SmoothingMapping("input_layernorm", QKV, "self_attn"),
+        SmoothingMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        SmoothingMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    )
+    usable, skipped = block_mappings(model, block, patterns)
+    assert [r.mapping for r in usable] == list(found) and skipped == []
+
+    unknown = _Unknown()
+    usable, _ = block_mappings(unknown, unknown.stack[0], [{"smooth": "norm", "balance": ["re:.*ffn\\.(a|b)$"]}])
+    assert names(usable) == [("norm", ("ffn.a", "ffn.b"), "ffn")]
+
+
+def test_user_patterns_under_gqa_are_checked_like_the_table():
+    model = tiny("llama", kv_heads=2)
+    block = find_blocks(model)[1][0]
+    usable, skipped = block_mappings(model, block, [{"smooth": "re:.*v_proj$", "balance": ["re:.*o_proj$"]}])
+    assert usable == [] and "grouped-query attention" in skipped[0]
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ({"smooth": "norm", "balance": ["ffn.a"], "inspct": "ffn"}, "unknown key 'inspct'; allowed keys: smooth, balance, inspect"),
+        ({"smooth": "norm"}, "needs 'smooth' and 'balance'"),
+        ({"smooth": "norm", "balance": "ffn.a"}, "'balance' must be a list"),
+        ({"smooth": "re:ffn\\..*", "balance": ["ffn.out"]}, "matches 3 modules"),
+        ({"smooth": "norm", "balance": ["re:.*nothing$"]}, "matches no Linear"),
+        ({"smooth": "norm", "balance": ["ffn.a"], "inspect": "re:ffn\\..*"}, "must match one module"),
+    ],
+)
+def test_bad_user_patterns(pattern, message):
+    with pytest.raises(PtqError, match=message.replace("(", r"\(")):
+        mappings_from_patterns(_Block(), [pattern])
+
+
+def test_missing_modules_are_reported():
+    usable, skipped = resolve_mappings(_Block(), [SmoothingMapping("norm", ("ffn.c",), "ffn")])
+    assert usable == [] and skipped == ["norm -> ffn.c skipped: _Block has no module ffn.c"]
