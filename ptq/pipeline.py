@@ -27,6 +27,7 @@ from ptq.modules import QuantLinear
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
 from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
+from ptq.smoothing import smooth_block_
 
 
 @dataclass
@@ -38,6 +39,7 @@ class QuantizationReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # where the time went, seconds
+    smoothing: dict[str, str] = field(default_factory=dict)  # "block: pair" -> what was applied
 
     def add_time(self, what: str, seconds: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + seconds
@@ -106,7 +108,7 @@ def quantize(
     model.eval()
     report = QuantizationReport(recipe, checkpoint_dtype, compute_dtype)
 
-    if not needs_calibration(step):
+    if not needs_calibration(step) and not recipe.transforms:
         _quantize_rtn(model, linears, step, report)
     else:
         cal = recipe.calibration
@@ -114,7 +116,7 @@ def quantize(
             tokenizer, cal.dataset if data is None else data,
             samples=cal.samples, seq_len=cal.seq_len, seed=cal.seed, text_column=cal.text_column,
         )
-        _quantize_with_calibration(model, linears, step, batches, device, report, show_progress)
+        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress)
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
@@ -160,7 +162,8 @@ def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightS
         report.layers[name] = "rtn"
 
 
-def _quantize_with_calibration(model, linears, step: WeightStep, batches, device, report, show_progress) -> None:
+def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, report, show_progress) -> None:
+    step, cal = recipe.weight_step, recipe.calibration
     blocks_path, _ = find_blocks(model)
     inside = {n: m for n, m in linears.items() if n.startswith(blocks_path + ".")}
     outside = {n: m for n, m in linears.items() if n not in inside}
@@ -179,16 +182,25 @@ def _quantize_with_calibration(model, linears, step: WeightStep, batches, device
         if order.never_called:
             _quantize_rtn(model, {prefix + n: mine[n] for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
+        for transform in recipe.transforms:
+            start = time.perf_counter()
+            done, skipped = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype)
+            report.add_time(f"{transform.step_name} search", time.perf_counter() - start)
+            report.smoothing.update({f"{run.name}: {pair}": what for pair, what in done.items()})
+            report.notes.extend(note for note in skipped if note not in report.notes)
+        if not needs_calibration(step):
+            _quantize_rtn(model, {prefix + n: m for n, m in mine.items()}, step, report)
+            return None
 
         def quantize_one(rel: str, observer: Observers) -> nn.Module:
             return _quantize_one(model, prefix + rel, mine[rel], observer.value, step, report)
 
         start = time.perf_counter()
-        if step.true_sequential and order.called_once:
+        if cal.true_sequential and order.called_once:
             outputs = quantize_block_sequentially(run, order.stages, mine, make_observer, quantize_one)
         else:
             outputs = None
-            groups = order.stages if step.true_sequential else [sum(order.stages, [])]
+            groups = order.stages if cal.true_sequential else [sum(order.stages, [])]
             for i, group in enumerate(groups):
                 stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) else None
                 observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
@@ -197,7 +209,7 @@ def _quantize_with_calibration(model, linears, step: WeightStep, batches, device
         report.add_time("calibration passes", time.perf_counter() - start)
         return outputs
 
-    run_blocks(model, blocks_path, batches, process, device=device, propagate=step.propagate,
+    run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
                show_progress=show_progress)
 
 

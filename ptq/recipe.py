@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -37,9 +37,29 @@ class Calibration(Strict):
     samples: int = Field(default=128, ge=1)
     seq_len: int = Field(default=512, ge=8)
     seed: int = 0
+    # each block calibrates on the outputs of the already-quantized previous block, or on
+    # the original model's activations
+    propagate: Literal["quantized", "original"] = "quantized"
+    # quantize a block's Linears stage by stage (q/k/v, o, gate/up, down), each calibrated
+    # on inputs that went through the stages already quantized
+    true_sequential: bool = True
 
 
-class WeightStep(Strict):
+class Step(Strict):
+    """A recipe step; `step_name` is set by register_step."""
+
+    step_name: ClassVar[str] = ""
+
+
+class TransformStep(Step):
+    """A function-preserving rescaling applied before the weights are quantized."""
+
+    # smoothing pairs for models the architecture table does not know: block-relative
+    # names or 're:' regexes, e.g. [{smooth: input_layernorm, balance: [q_proj, k_proj, v_proj], inspect: self_attn}]
+    mappings: list[dict[str, Any]] | None = None
+
+
+class WeightStep(Step):
     """Options every weight-quantizing step shares."""
 
     scheme: Scheme
@@ -54,13 +74,13 @@ class WeightStep(Strict):
         return resolve_scheme(value) if isinstance(value, str) else value
 
 
-STEPS: dict[str, type[WeightStep]] = {}
+STEPS: dict[str, type[Step]] = {}
 
 
 def register_step(name: str):
     """Class decorator: make a step's option class known to recipes under `name`."""
 
-    def register(cls: type[WeightStep]) -> type[WeightStep]:
+    def register(cls: type[Step]) -> type[Step]:
         STEPS[name] = cls
         cls.step_name = name
         return cls
@@ -81,13 +101,27 @@ class GPTQStep(WeightStep):
     damp: float = Field(default=0.01, gt=0, lt=1)
     actorder: Literal["none", "static", "group"] = "static"
     scales: Literal["updated", "original"] = "updated"
-    propagate: Literal["quantized", "original"] = "quantized"
-    true_sequential: bool = True
+
+
+@register_step("smoothquant")
+class SmoothQuantStep(TransformStep):
+    """SmoothQuant: move activation outliers into the weights, s = max|X|^α / max|W|^(1-α)."""
+
+    alpha: float = Field(default=0.5, gt=0, lt=1)
+
+
+@register_step("awq")
+class AWQStep(TransformStep):
+    """AWQ: per-channel scales searched to minimise the quantized module's output error."""
+
+    n_grid: int = Field(default=20, ge=2)
+    duo_scaling: bool | Literal["both"] = True
+    clip: bool = True  # also search a per-group clipping range (not for q/k)
 
 
 class Recipe(Strict):
     calibration: Calibration = Calibration()
-    steps: list[WeightStep] = Field(min_length=1)
+    steps: list[Step] = Field(min_length=1)
 
     @field_validator("steps", mode="before")
     @classmethod
@@ -96,7 +130,7 @@ class Recipe(Strict):
             raise ValueError("steps must be a list of one-key mappings like '- rtn: {scheme: W4A16}'")
         parsed = []
         for i, item in enumerate(value):
-            if isinstance(item, WeightStep):
+            if isinstance(item, Step):
                 parsed.append(item)
                 continue
             if not isinstance(item, dict) or len(item) != 1:
@@ -109,14 +143,23 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _one_weight_step(self) -> Recipe:
-        if len(self.steps) > 1:
-            names = [type(s).step_name for s in self.steps]
-            raise ValueError(f"a recipe quantizes weights once: got steps {names}; keep one of them")
+        names = [type(s).step_name for s in self.steps]
+        kinds = [isinstance(s, WeightStep) for s in self.steps]
+        if kinds.count(True) != 1 or not kinds[-1]:
+            weight = ", ".join(n for n, cls in STEPS.items() if issubclass(cls, WeightStep))
+            raise ValueError(
+                f"steps {names}: a recipe ends with exactly one weight step ({weight}), "
+                "after any smoothing steps"
+            )
         return self
 
     @property
     def weight_step(self) -> WeightStep:
-        return self.steps[0]
+        return self.steps[-1]
+
+    @property
+    def transforms(self) -> list[TransformStep]:
+        return self.steps[:-1]
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
@@ -124,7 +167,7 @@ class Recipe(Strict):
         return yaml.safe_dump(data, sort_keys=False)
 
 
-def _validate_step(cls: type[WeightStep], options: Any, where: str) -> WeightStep:
+def _validate_step(cls: type[Step], options: Any, where: str) -> Step:
     try:
         return cls.model_validate(options)
     except ValidationError as error:
@@ -163,6 +206,8 @@ def _describe(error: ValidationError, model: type[BaseModel]) -> str:
         allowed = ", ".join(_allowed_keys(model, loc[:-1]))
         return f"unknown key '{loc[-1]}'; allowed keys here: {allowed}"
     message = first["msg"].removeprefix("Value error, ")
+    if not loc:  # a check of the whole recipe: its message says what is wrong
+        return message
     if first["type"] == "missing":
         return f"{where}: required field is missing"
     return f"{where}: {message} (got {first['input']!r})"

@@ -33,7 +33,7 @@ def test_preset_name_is_an_rtn_recipe():
 def test_gptq_defaults():
     step = parse_recipe({"steps": [{"gptq": {"scheme": "W4A16"}}]}).weight_step
     assert isinstance(step, GPTQStep)
-    assert (step.block_size, step.damp, step.actorder) == (128, 0.01, "static")
+    assert (step.block_size, step.damp, step.actorder, step.scales) == (128, 0.01, "static", "updated")
 
 
 @pytest.mark.parametrize(

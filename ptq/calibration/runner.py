@@ -132,6 +132,26 @@ class BlockRun:
         return observers
 
     @torch.no_grad()
+    def first_input(self, module: nn.Module) -> Tensor:
+        """What module receives in the first batch's pass through the block (which stops there)."""
+        captured: list[Tensor] = []
+
+        def take(_module, args):
+            captured.append(args[0])
+            raise _StopForward
+
+        handle = module.register_forward_pre_hook(take)
+        args, kwargs = self.inputs[0]
+        try:
+            self.block(*args, **kwargs)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        assert captured, "the module is not called by the block's forward pass"
+        return captured[0]
+
+    @torch.no_grad()
     def outputs(self) -> Inputs:
         """The next block's inputs: this block's outputs for every batch."""
         return [_with_hidden(args, kwargs, _hidden(self.block(*args, **kwargs))) for args, kwargs in self.inputs]

@@ -1,0 +1,83 @@
+"""Smoothing steps (SmoothQuant, AWQ) applied to one block during calibration.
+
+Both are function-preserving rescalings of (previous op -> Linears) pairs from the
+architecture table (or the recipe's mappings): statistics are collected in one pass of
+the calibration samples through the block, the scales are searched per pair (pure
+functions in ptq.algorithms), then applied. Each pair's statistics depend only on its own
+rescaling (the others leave its input unchanged in full precision), so one pass serves all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ptq.algorithms.awq import apply_awq_, apply_clip_, awq_clip_search, awq_search, make_module_loss
+from ptq.algorithms.smoothquant import apply_smoothing_, smoothquant_scales
+from ptq.arch import ResolvedMapping, block_mappings
+from ptq.calibration.observers import AbsMaxObserver, MeanAbsObserver
+from ptq.calibration.runner import BlockRun
+from ptq.recipe import AWQStep, SmoothQuantStep, TransformStep
+from ptq.schemes import QuantArgs
+
+NO_CLIP = ("q_proj", "k_proj")  # their errors are amplified by the attention scores: keep ranges
+
+
+def smooth_block_(
+    model: nn.Module, run: BlockRun, step: TransformStep, args: QuantArgs, scale_dtype: torch.dtype
+) -> tuple[dict[str, str], list[str]]:
+    """Apply one smoothing step to the block in place: (what was done per pair, skip reasons)."""
+    mappings, skipped = block_mappings(model, run.block, step.mappings)
+    if isinstance(step, SmoothQuantStep):
+        return _smoothquant_(run, mappings, step), skipped
+    assert isinstance(step, AWQStep)
+    return _awq_(run, mappings, step, args, scale_dtype), skipped
+
+
+def _first_inputs(mappings: list[ResolvedMapping]) -> dict[str, nn.Linear]:
+    return {m.mapping.balance[0]: m.balance[0] for m in mappings}
+
+
+def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep) -> dict[str, str]:
+    observers = run.collect(_first_inputs(mappings), AbsMaxObserver)
+    done = {}
+    for m in mappings:
+        absmax = observers[m.mapping.balance[0]].value  # [in]
+        scales = smoothquant_scales(absmax, [b.weight for b in m.balance], step.alpha)
+        apply_smoothing_(m.smooth, m.balance, scales)
+        done[m.mapping.describe()] = f"smoothquant alpha {step.alpha}"
+    return done
+
+
+def _awq_(
+    run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype
+) -> dict[str, str]:
+    inspect_inputs: dict[int, list] = {i: [] for i in range(len(mappings))}
+    handles = [
+        m.inspect.register_forward_pre_hook(
+            lambda _m, a, kw, i=i: inspect_inputs[i].append((a, kw)), with_kwargs=True
+        )
+        for i, m in enumerate(mappings)
+    ]
+    try:
+        observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
+    finally:
+        for handle in handles:
+            handle.remove()
+    done = {}
+    for i, m in enumerate(mappings):
+        loss = make_module_loss(m.inspect, m.balance, inspect_inputs[i], args=args, scale_dtype=scale_dtype)
+        x_mean = observers[m.mapping.balance[0]].value
+        result = awq_search(x_mean, [b.weight for b in m.balance], loss, args=args, n_grid=step.n_grid,
+                            duo_scaling=step.duo_scaling)
+        apply_awq_(m.smooth, m.balance, result.scales)
+        ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
+        gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
+        done[m.mapping.describe()] = f"awq ratio {ratio}, output error -{100 * gain:.0f}%"
+        if step.clip:
+            inputs = run.first_input(m.balance[0]).float()  # smoothed now, as the weights are
+            inputs = inputs.reshape(-1, inputs.shape[-1])
+            for name, linear in zip(m.mapping.balance, m.balance):
+                if not name.endswith(NO_CLIP):
+                    apply_clip_(linear, awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype))
+    return done
