@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--data", default=None, help="calibration text: builtin, a .txt/.jsonl file or a dataset name (overrides the recipe)")
     _add_eval_options(q)
     q.add_argument("--no-eval", action="store_true", help="skip the before/after quality evaluation")
+    q.add_argument("--report-json", default=None, help="also write the summary's numbers to this JSON file")
 
     e = commands.add_parser("eval", help="perplexity of a model; KL and top-1 agreement against a reference")
     e.add_argument("model", help="a ptq checkpoint, a model folder or a Hub name ('builtin' for the bundled model)")
@@ -87,6 +88,24 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     for note in report.notes:
         print(f"note: {note}")
     print(f"\nwrote {output} ({len(names)} Linears quantized; total time {time.perf_counter() - start:.1f} s)")
+    if args.report_json:
+        _write_json(args.report_json, before, after, quality, report, peak_memory_bytes())
+
+
+def _write_json(path, before, after, quality, report, peak) -> None:
+    import dataclasses
+    import json
+
+    data = {
+        "size_bytes": {"before": before.total_bytes, "after": after.total_bytes},
+        "bits_per_weight": {"before": before.bits_per_weight, "after": after.bits_per_weight},
+        "quality": dataclasses.asdict(quality) if quality else None,
+        "seconds": report.seconds,
+        "timings": report.timings,
+        "peak_memory_bytes": peak,
+        "notes": report.notes,
+    }
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

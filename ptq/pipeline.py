@@ -188,6 +188,8 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
             report.add_time(f"{transform.step_name} search", time.perf_counter() - start)
             report.smoothing.update({f"{run.name}: {pair}": what for pair, what in done.items()})
             report.notes.extend(note for note in skipped if note not in report.notes)
+        if recipe.transforms:
+            _round_to_(run.block, report.checkpoint_dtype)
         if not needs_calibration(step):
             _quantize_rtn(model, {prefix + n: m for n, m in mine.items()}, step, report)
             return None
@@ -211,6 +213,15 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
 
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
                show_progress=show_progress)
+
+
+@torch.no_grad()
+def _round_to_(module: nn.Module, dtype: torch.dtype) -> None:
+    """Round rescaled parameters to the checkpoint dtype, so that the model in memory is
+    the one the checkpoint stores (norms are saved in that dtype, not quantized)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.copy_(param.to(dtype))
 
 
 def _quantize_one(model, name, linear, stats: dict, step: WeightStep, report) -> nn.Module:

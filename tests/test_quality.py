@@ -1,0 +1,76 @@
+"""Quality floors on the bundled model, measured on fixed seeds (numbers in the comments).
+
+Perplexity increases are over the unquantized model on 64 held-out windows of 512 tokens.
+"""
+
+import json
+
+import pytest
+import torch
+
+import ptq
+from ptq.diagnostics import inject_outliers_
+from ptq.models import bundled_model_path
+from ptq.recipe import parse_recipe
+
+CALIBRATION = {"samples": 128, "seq_len": 512, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def windows(tokenizer):
+    return ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
+
+
+def increase(recipe: dict, windows, tokenizer, outliers: bool = False) -> float:
+    """Perplexity after minus before, for the recipe on the bundled model (or its outlier variant)."""
+    models = []
+    for _ in range(2):
+        model, _ = ptq.load_model()
+        if outliers:
+            model.float()
+            inject_outliers_(model, channels=4, factor=50.0, seed=0)
+            model.to(torch.bfloat16)
+        models.append(model)
+    quantized, reference = models
+    ptq.quantize(quantized, parse_recipe(recipe), tokenizer=tokenizer, show_progress=False)
+    result = ptq.evaluate(quantized, windows, reference=reference.float(), show_progress=False)
+    return result.perplexity - result.reference_perplexity
+
+
+def test_bundled_model_learned_the_language(tokenizer, windows):
+    report = json.loads((bundled_model_path() / "training_report.json").read_text())
+    model, _ = ptq.load_model()
+    config = model.config
+    assert config.num_hidden_layers >= 4 and config.num_key_value_heads < config.num_attention_heads
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.in_features % 128 == 0 for m in linears)
+    assert (bundled_model_path() / "model.safetensors").stat().st_size <= 25e6
+    assert model.dtype == torch.bfloat16
+    perplexity = ptq.evaluate(model.float(), windows, show_progress=False).perplexity
+    # measured: 79.8 here, against 861 for the unigram model of the same tokenizer
+    assert perplexity < 100 < report["unigram_perplexity"] / 8
+
+
+@pytest.mark.parametrize("scheme,floor", [("W4A16", 0.6), ("W3A16", 0.6)])
+def test_gptq_beats_rtn(tokenizer, windows, scheme, floor):
+    rtn = increase({"steps": [{"rtn": {"scheme": scheme}}]}, windows, tokenizer)
+    gptq = increase({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": scheme}}]}, windows, tokenizer)
+    # measured: W4 +0.295 vs +0.608 (0.49); W3 see the closing note of the GPTQ issue
+    assert 0 < gptq <= floor * rtn
+
+
+def test_awq_beats_rtn_with_outliers(tokenizer, windows):
+    rtn = increase({"steps": [{"rtn": {"scheme": "W4A16"}}]}, windows, tokenizer, outliers=True)
+    awq = increase({"calibration": {**CALIBRATION, "samples": 32}, "steps": [{"awq": {}}, {"rtn": {"scheme": "W4A16"}}]},
+                   windows, tokenizer, outliers=True)
+    # measured on 32 windows: +0.546 vs +1.217 (0.45)
+    assert awq <= 0.7 * rtn
+
+
+def test_smoothquant_rescues_w8a8_with_outliers(tokenizer, windows):
+    plain = increase({"steps": [{"rtn": {"scheme": "W8A8"}}]}, windows, tokenizer, outliers=True)
+    smooth = increase({"calibration": {**CALIBRATION, "samples": 32},
+                       "steps": [{"smoothquant": {"alpha": 0.5}}, {"rtn": {"scheme": "W8A8"}}]},
+                      windows, tokenizer, outliers=True)
+    # measured on 32 windows: +0.009 vs +1.913
+    assert smooth <= 0.2 * plain
