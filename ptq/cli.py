@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 
 
@@ -119,7 +120,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
             return ptq.load(location, device=_device(args.device)), AutoTokenizer.from_pretrained(location)
         model, tokenizer = ptq.load_model(location, device=_device(args.device))
-        return model.to(torch.float32 if _device(args.device).type == "cpu" else model.dtype), tokenizer
+        return model.to(compute_dtype_for(_device(args.device), model.dtype)), tokenizer
 
     model, tokenizer = load(args.model)
     reference = load(args.reference)[0] if args.reference else None

@@ -165,12 +165,13 @@ class QuantLinear(nn.Module):
 
 @contextmanager
 def cached_weight(module: nn.Module) -> Iterator[None]:
-    """Within the block, a QuantLinear dequantizes its weight once instead of per call."""
-    if not isinstance(module, QuantLinear):
-        yield
-        return
-    module._cached = module.dequantized_weight()
+    """Within the block, the QuantLinears in module dequantize their weights once instead
+    of on every call (calibration runs many batches through the same weights)."""
+    quantized = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    for m in quantized:
+        m._cached = m.dequantized_weight()
     try:
         yield
     finally:
-        module._cached = None
+        for m in quantized:
+            m._cached = None

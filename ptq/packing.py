@@ -47,6 +47,11 @@ def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
     if not 1 <= bits <= 8:
         raise ValueError(f"num_bits must be in 1..8 to unpack, got {bits}")
     rows = packed.shape[0]
+    if 32 % bits == 0:  # 1, 2, 4, 8 bits: whole elements per word, no straddling
+        per_word = 32 // bits
+        shifts = torch.arange(per_word, device=packed.device, dtype=torch.int32) * bits
+        fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
+        return (fields.reshape(rows, -1)[:, :n] - (1 << (bits - 1))).to(torch.int8)
     chunks = math.ceil(n / 32)
     words = packed.to(torch.int64) & 0xFFFFFFFF  # [rows, words] unsigned
     words = torch.nn.functional.pad(words, (0, chunks * bits + 1 - words.shape[1]))

@@ -1,9 +1,10 @@
 """quantize(model, recipe, ...): the library's main entry point.
 
-It quantizes the model IN PLACE: every targeted nn.Linear is replaced by a QuantLinear,
-and the model is moved to the compute dtype (float32 on a CPU, which has no fast bf16
-matmul; the model's own dtype on CUDA). It returns the same model, with
-`model.ptq_report` describing what was done. Nothing here prints (progress bars aside).
+It quantizes the model IN PLACE: every targeted nn.Linear is replaced by a QuantLinear
+(the replaced Linear is emptied onto the meta device), and the model is moved to the
+compute dtype (ptq.devices: the model's 16-bit dtype on CUDA and on CPUs with fast bf16
+matmuls, float32 on other CPUs). It returns the same model, with `model.ptq_report` describing what was done.
+Nothing here prints (progress bars aside).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ptq.calibration.data import calibration_batches
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
+from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
@@ -45,11 +47,6 @@ class QuantizationReport:
         self.timings[what] = self.timings.get(what, 0.0) + seconds
 
 
-def compute_dtype_for(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """float32 on a CPU (no fast bf16/fp16 matmul there); the model's dtype on an accelerator."""
-    return torch.float32 if device.type == "cpu" else model_dtype
-
-
 def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:
     """The nn.Linear modules the step targets and does not ignore, checked against its scheme."""
     chosen = {
@@ -71,9 +68,11 @@ def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:
     return chosen
 
 
+@torch.no_grad()
 def check_finite(model: nn.Module) -> None:
     for name, param in model.named_parameters():
-        if param.is_floating_point() and not torch.isfinite(param).all():
+        # min and max propagate NaN and show Inf, without a temporary as large as the weight
+        if param.is_floating_point() and param.numel() and not torch.isfinite(torch.stack(param.aminmax())).all():
             raise PtqError(f"model weight '{name}' contains NaN or Inf; the source model is broken")
 
 
@@ -101,22 +100,22 @@ def quantize(
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_finite(model)
-    checkpoint_dtype = _model_dtype(model)
-    compute_dtype = compute_dtype_for(device, checkpoint_dtype)
     linears = select_linears(model, step)
-    model.to(compute_dtype)
-    model.eval()
-    report = QuantizationReport(recipe, checkpoint_dtype, compute_dtype)
-
-    if not needs_calibration(step) and not recipe.transforms:
-        _quantize_rtn(model, linears, step, report)
-    else:
+    calibrated = needs_calibration(step) or bool(recipe.transforms)
+    if calibrated:  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
         batches = calibration_batches(
             tokenizer, cal.dataset if data is None else data,
             samples=cal.samples, seq_len=cal.seq_len, seed=cal.seed, text_column=cal.text_column,
         )
+    checkpoint_dtype = _model_dtype(model)
+    report = QuantizationReport(recipe, checkpoint_dtype, compute_dtype_for(device, checkpoint_dtype))
+    model.to(report.compute_dtype)
+    model.eval()
+    if calibrated:
         _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress)
+    else:
+        _quantize_rtn(model, linears, step, report)
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
@@ -133,6 +132,7 @@ def _replace(
 ) -> QuantLinear:
     module = QuantLinear.from_quantized(linear, qw, step.scheme, input_scale)
     model.set_submodule(name, module)
+    linear.to("meta")  # the replaced Linear's full-precision weight is no longer needed: free it
     return module
 
 

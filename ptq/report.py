@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +47,24 @@ def size_of(model: nn.Module, dtype: torch.dtype, linear_names: list[str]) -> Si
     return Size(total, linear_bytes, weights)
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process.
+
+    Linux: VmHWM of /proc/self/status (ru_maxrss would carry over a parent's peak across
+    exec, e.g. a large launcher's); elsewhere ru_maxrss.
+    """
+    status = Path("/proc/self/status")
+    if status.exists():
+        match = re.search(r"^VmHWM:\s+(\d+) kB", status.read_text(), flags=re.M)
+        if match:
+            return int(match.group(1)) * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
 def peak_memory_bytes() -> dict[str, int]:
     """Peak resident memory of this process; peak CUDA memory when a GPU was used."""
-    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = {"rss": rss_kb * (1 if sys.platform == "darwin" else 1024)}
+    peak = {"rss": peak_rss_bytes()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda"] = torch.cuda.max_memory_allocated()
     return peak

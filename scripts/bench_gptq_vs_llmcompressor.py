@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -35,7 +34,9 @@ RANDOM_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from ptq.report import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
@@ -59,17 +60,18 @@ def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
     return {"bundled": bundled_model_path(), "random": random_path, "ids": work / "ids.pt"}
 
 
-def ptq_worker(model_path: str, ids_path: str, out: str) -> dict:
+def ptq_worker(model_path: str, ids_path: str, out: str, options: dict) -> dict:
     import ptq
     from ptq.recipe import parse_recipe
 
     start = time.perf_counter()
     ids = torch.load(ids_path)
     model, tokenizer = ptq.load_model(model_path)
-    recipe = parse_recipe({
-        "calibration": {"samples": ids.shape[0], "seq_len": ids.shape[1]},
-        "steps": [{"gptq": {"scheme": "W4A16", "actorder": "static"}}],
-    })
+    calibration = {"samples": ids.shape[0], "seq_len": ids.shape[1]}
+    calibration.update({k: v for k, v in options.items() if k in ("true_sequential", "propagate")})
+    gptq = {"scheme": "W4A16", "actorder": "static"}
+    gptq.update({k: v for k, v in options.items() if k not in calibration})
+    recipe = parse_recipe({"calibration": calibration, "steps": [{"gptq": gptq}]})
     ptq.quantize(model, recipe, tokenizer=tokenizer, data=ids, show_progress=False)
     ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
     timings = model.ptq_report.timings
@@ -77,12 +79,11 @@ def ptq_worker(model_path: str, ids_path: str, out: str) -> dict:
             "peak_rss_mb": peak_rss_mb(), "timings": timings}
 
 
-def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str) -> dict:
+def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str, options: str) -> dict:
     command = [python, str(HERE), "--worker", tool, "--model", str(model), "--ids", str(ids), "--out", str(out),
-               "--dtype", dtype]
+               "--dtype", dtype, "--ptq-options", options]
     if tool == "llmcompressor":
-        command[1] = str(HERE.parent / "llmcompressor_worker.py")
-        command = command[:2] + command[4:]
+        command = [python, str(HERE.parent / "llmcompressor_worker.py")] + command[4:-2]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{tool} worker failed:\n{result.stderr[-3000:]}")
@@ -126,6 +127,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--models", nargs="+", default=["bundled", "random"])
     parser.add_argument("--llmc-dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--ptq-options", default="{}",
+                        help='JSON of ptq GPTQ/calibration options to try, e.g. \'{"scales": "original"}\'')
     parser.add_argument("--worker", choices=["ptq"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
@@ -133,7 +136,7 @@ def main() -> None:
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "ptq":
-        print(json.dumps(ptq_worker(args.model, args.ids, args.out)))
+        print(json.dumps(ptq_worker(args.model, args.ids, args.out, json.loads(args.ptq_options))))
         return
 
     paths = prepare(args.work, args.samples, args.seq_len)
@@ -144,7 +147,7 @@ def main() -> None:
             out = args.work / f"{name}-{tool}-{dtype}"
             python = sys.executable if tool == "ptq" else args.llmc_python
             print(f"running {tool} ({dtype}) on the {name} model ...", flush=True)
-            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype)
+            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options)
             result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
             rows.append((name, tool, dtype, result))
             print(f"  {json.dumps(result)}", flush=True)

@@ -16,6 +16,14 @@ from llmcompressor.modifiers.gptq import GPTQModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
+def peak_rss_mb() -> float:
+    """VmHWM: this process's own peak (ru_maxrss would include the launcher's, carried over exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -48,7 +56,7 @@ def main() -> None:
     print(json.dumps({
         "wall": time.perf_counter() - start,
         "gptq": solve["seconds"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }))
 
 

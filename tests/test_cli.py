@@ -134,3 +134,9 @@ def test_python_dash_m(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"ptq: error: recipe file '{tmp_path / 'missing.yaml'}' not found; "
                                                   "pass a YAML file (see recipes/) or a preset name"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_bench_without_gpu(capsys):
+    code, _, err = run_cli(capsys, "bench")
+    assert code == 2 and err.strip() == "ptq: error: no CUDA GPU here: ptq bench measures the Triton kernels on a GPU"

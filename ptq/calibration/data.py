@@ -118,6 +118,8 @@ def calibration_batches(
     """
     if isinstance(data, Tensor):
         return data.long().reshape(-1, data.shape[-1])
+    if tokenizer is None and (isinstance(data, str) or hasattr(data, "column_names")):
+        raise PtqError("calibration text needs a tokenizer: pass tokenizer=..., or give token-id tensors as data")
     if isinstance(data, str):
         return sample_windows(token_stream(tokenizer, load_texts(data, text_column=text_column)), samples, seq_len, seed)
     if hasattr(data, "column_names"):
@@ -130,4 +132,6 @@ def calibration_batches(
         return torch.cat(rows)
     if not all(isinstance(t, str) for t in data):
         raise PtqError("calibration data must be texts, a datasets.Dataset, or token-id tensors")
+    if tokenizer is None:
+        raise PtqError("calibration text needs a tokenizer: pass tokenizer=..., or give token-id tensors as data")
     return sample_windows(token_stream(tokenizer, data), samples, seq_len, seed)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ptq.calibration.observers import Observer
+from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
 
@@ -154,7 +155,8 @@ class BlockRun:
     @torch.no_grad()
     def outputs(self) -> Inputs:
         """The next block's inputs: this block's outputs for every batch."""
-        return [_with_hidden(args, kwargs, _hidden(self.block(*args, **kwargs))) for args, kwargs in self.inputs]
+        with cached_weight(self.block):
+            return [_with_hidden(args, kwargs, _hidden(self.block(*args, **kwargs))) for args, kwargs in self.inputs]
 
 
 def _raise_stop(_module, _args):
@@ -178,7 +180,7 @@ def run_blocks(
     process: Callable[[BlockRun], Inputs | None],
     *,
     device: torch.device,
-    batch_size: int = 8,
+    batch_size: int = 2,
     propagate: str = "quantized",
     show_progress: bool = True,
 ) -> None:

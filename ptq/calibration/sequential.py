@@ -10,11 +10,13 @@ inputs produced by the already-quantized stages before it:
   recorded inputs;
 - in later passes those modules are replaced by replays of their outputs, so no Linear
   is computed twice; once every Linear inside a submodule (self_attn, mlp) is quantized,
-  that submodule's output is recorded in the next pass and replayed whole instead.
+  that submodule's output is recorded in the next pass and replayed whole instead;
+- the last stage keeps no replays of single Linears through its solve (memory): the final
+  pass, which gives the block's outputs (the next block's inputs), recomputes them.
 
-The last pass gives the block's outputs: the next block's inputs. The cost per block is
-about one forward pass of its Linears plus a few passes of the glue between them
-(attention core, norms), instead of two or more full passes.
+The cost per block is about one forward pass of its Linears (plus the Linears feeding
+the last stage once more) and a few passes of the glue between them (attention core,
+norms), instead of two or more full passes.
 """
 
 from __future__ import annotations
@@ -133,32 +135,39 @@ def quantize_block_sequentially(
     batch = _Batch()
     replays: dict[str, list] = {}
     done: set[str] = set()
-    for stage in stages:
+    for i, stage in enumerate(stages):
+        last = i == len(stages) - 1
         observer = make_observer()
-        recorded: list[Tensor] = []
+        recorded: list[Tensor] | None = None if last else []
         pending = _complete_ancestors(replays, linears, done)
         outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded)
         _coarsen(replays, pending, outputs, done, len(run.inputs))
+        if last:
+            # Memory: the final pass recomputes the few Linears whose outputs only fed this
+            # stage (gate/up) rather than keeping their outputs through its solve
+            replays = {name: out for name, out in replays.items() if name not in linears}
         for name in stage:
             module = quantize(name, observer)
-            with cached_weight(module):
-                replays[name] = [module(x) for x in recorded]
+            if recorded is not None:
+                with cached_weight(module):
+                    replays[name] = [module(x) for x in recorded]
             done.add(name)
         del recorded
-    pending = _complete_ancestors(replays, linears, done)
     next_inputs: Inputs = []
-    with _replaying(run.block, replays, batch):
+    with _replaying(run.block, replays, batch), cached_weight(run.block):
         for batch.index, (args, kwargs) in enumerate(run.inputs):
             next_inputs.append(_with_hidden(args, kwargs, _hidden(run.block(*args, **kwargs))))
     return next_inputs
 
 
 def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded) -> dict[str, list]:
-    """One pass over the batches that records (and observes) the stage's input."""
+    """One pass over the batches that observes (and records, unless recorded is None) the
+    stage's input, and records the outputs of the pending submodules."""
     outputs: dict[str, list] = {name: [] for name in pending}
 
     def take_input(_module, args):
-        recorded.append(args[0])
+        if recorded is not None:
+            recorded.append(args[0])
         observer.update(args[0])
         raise _StopForward
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 from ptq.targets import matches
@@ -64,8 +65,8 @@ def load(
 ) -> nn.Module:
     """A causal LM from a compressed-tensors checkpoint folder written by ptq (or compatible).
 
-    dtype: the dtype of unquantized parameters and of the compute (default float32 on a
-    CPU, the checkpoint's dtype elsewhere). Quantized tensors keep their stored dtypes.
+    dtype: the dtype of unquantized parameters and of the compute (default: chosen for the
+    device by ptq.devices.compute_dtype_for). Quantized tensors keep their stored dtypes.
     backend: how QuantLinears compute: "auto" (Triton kernels on CUDA, the torch
     reference elsewhere), "triton" or "torch".
     """
@@ -82,7 +83,7 @@ def load(
     del config.quantization_config
     device = torch.device(device)
     stored_dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
-    dtype = dtype or (torch.float32 if device.type == "cpu" else stored_dtype)
+    dtype = dtype or compute_dtype_for(device, stored_dtype)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = read_tensors(folder)

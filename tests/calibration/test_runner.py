@@ -64,13 +64,16 @@ def test_shared_inputs_share_one_hessian(family):
         ]
 
 
-def test_hessian_matches_definition():
-    x = torch.randn(4, 10, 8, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("features", [8, HessianObserver.SPLIT + 3])
+def test_hessian_matches_definition(features):
+    x = torch.randn(4, 10, features, generator=torch.Generator().manual_seed(2))
     observer = HessianObserver()
     observer.update(x[:2])
     observer.update(x[2:])
-    flat = x.reshape(-1, 8)
-    torch.testing.assert_close(observer.value, 2 * flat.t() @ flat / 40, atol=1e-6, rtol=1e-6)
+    flat = x.reshape(-1, features)
+    H = observer.value
+    torch.testing.assert_close(H, 2 * flat.t() @ flat / 40, atol=1e-5, rtol=1e-5)
+    assert torch.equal(H, H.t())
 
 
 def test_stop_at_ends_the_pass_early():

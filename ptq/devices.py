@@ -1,0 +1,39 @@
+"""Choosing the compute dtype for the device the work runs on.
+
+On an accelerator, the model's own 16-bit dtype. On a CPU it depends on the CPU: with
+AVX512-BF16 or AMX, bf16 matmuls run several times faster than float32 ones; without
+them (AVX2 only) bf16 runs about ten times slower. So ptq measures once per process
+(a few milliseconds) instead of guessing from flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+
+@functools.cache
+def cpu_bf16_is_fast() -> bool:
+    """True when a bf16 matmul on this CPU beats the same float32 matmul by a clear margin."""
+    a, b = torch.randn(256, 1024), torch.randn(1024, 512)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # warm up
+        start = time.perf_counter()
+        for _ in range(4):
+            x @ y
+        seconds[dtype] = time.perf_counter() - start
+    return seconds[torch.bfloat16] < 0.7 * seconds[torch.float32]
+
+
+def compute_dtype_for(device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in: the model's on an accelerator; on a CPU, bf16 for a bf16
+    model when the CPU has fast bf16 matmuls, else float32."""
+    if torch.device(device).type != "cpu":
+        return model_dtype
+    if model_dtype == torch.bfloat16 and cpu_bf16_is_fast():
+        return torch.bfloat16
+    return torch.float32
