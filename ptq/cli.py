@@ -59,7 +59,7 @@ def _device(name: str | None) -> torch.device:
 def cmd_quantize(args: argparse.Namespace) -> None:
     import ptq
     from ptq.models import resolve_model_path
-    from ptq.pipeline import select_linears
+    from ptq.pipeline import cast_parameters_, select_linears
     from ptq.report import peak_memory_bytes, size_of, summary_table
 
     recipe = ptq.load_recipe(args.recipe)
@@ -80,7 +80,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     after = size_of(model, report.checkpoint_dtype, names)
     quality = None
     if reference is not None:
-        reference.to(report.compute_dtype)
+        cast_parameters_(reference, report.compute_dtype)
         windows = ptq.eval_windows(tokenizer, args.eval_text, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
         quality = ptq.evaluate(model, windows, reference=reference)
     ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite)
@@ -112,6 +112,7 @@ def _write_json(path, before, after, quality, report, peak) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import ptq
     from ptq.models import is_quantized_checkpoint, resolve_model_path
+    from ptq.pipeline import cast_parameters_
 
     def load(name: str):
         location = resolve_model_path(name)
@@ -120,7 +121,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
             return ptq.load(location, device=_device(args.device)), AutoTokenizer.from_pretrained(location)
         model, tokenizer = ptq.load_model(location, device=_device(args.device))
-        return model.to(compute_dtype_for(_device(args.device), model.dtype)), tokenizer
+        cast_parameters_(model, compute_dtype_for(_device(args.device), model.dtype))
+        return model, tokenizer
 
     model, tokenizer = load(args.model)
     reference = load(args.reference)[0] if args.reference else None

@@ -39,14 +39,16 @@ def is_quantized_checkpoint(path: str) -> bool:
     return config.is_file() and "quantization_config" in json.loads(config.read_text())
 
 
-def load_model(name: str | None = None, *, device: str | torch.device = "cpu") -> tuple[nn.Module, object]:
-    """(model, tokenizer) of an unquantized causal LM, in the dtype it was saved in."""
+def load_model(
+    name: str | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[nn.Module, object]:
+    """(model, tokenizer) of an unquantized causal LM, in dtype (default: as it was saved)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or "auto")
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise PtqError(f"cannot load model '{name}': {first}") from None

@@ -87,6 +87,7 @@ def quantize(
     tokenizer=None,
     data=None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
     show_progress: bool = True,
 ) -> nn.Module:
     """Quantize `model` in place with `recipe` (a Recipe, a YAML path or a preset name).
@@ -94,6 +95,7 @@ def quantize(
     data: calibration data for steps that need it (GPTQ): None for the recipe's own
     calibration source (the bundled text by default), a list of strings, a
     datasets.Dataset, or token-id tensors. tokenizer is needed unless data is token ids.
+    dtype: the compute dtype; by default ptq.devices.compute_dtype_for(device, model dtype).
     """
     recipe = load_recipe(recipe)
     step = recipe.weight_step
@@ -109,8 +111,8 @@ def quantize(
             samples=cal.samples, seq_len=cal.seq_len, seed=cal.seed, text_column=cal.text_column,
         )
     checkpoint_dtype = _model_dtype(model)
-    report = QuantizationReport(recipe, checkpoint_dtype, compute_dtype_for(device, checkpoint_dtype))
-    model.to(report.compute_dtype)
+    report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype))
+    cast_parameters_(model, report.compute_dtype)
     model.eval()
     if calibrated:
         _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress)
@@ -119,6 +121,15 @@ def quantize(
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
+
+
+@torch.no_grad()
+def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating parameters; buffers (rotary frequencies: float32) stay as they are,
+    as from_pretrained(dtype=...) leaves them."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def needs_calibration(step: WeightStep) -> bool:

@@ -20,7 +20,7 @@ def hf_load(path, **kwargs):
 def test_transformers_reads_ptq_checkpoint(tmp_path, scheme, family):
     model = ptq.quantize(tiny_model(family), scheme, show_progress=False)
     ptq.save(model, tmp_path / "q")
-    ours = ptq.load(tmp_path / "q")
+    ours = ptq.load(tmp_path / "q", dtype=torch.float32)  # transformers computes in float32 here
     decompressed = hf_load(tmp_path / "q", quantization_config=CompressedTensorsConfig(dequantize=True))
     for name, module in ours.named_modules():
         if isinstance(module, QuantLinear):
