@@ -13,8 +13,8 @@ Models: the bundled trained model (quality: perplexity of each result on the hel
 text) and a random-initialised Llama (hidden 1024, intermediate 2816, 4 layers, vocab
 32000: speed). The table shows wall time end to end (load, calibrate, quantize, save),
 the time inside the GPTQ solves, peak RSS, and perplexity; then the floor estimate: the
-FLOPs of one forward pass of the blocks' Linears plus the Hessians, over the matmul
-GFLOP/s measured here.
+FLOPs of one forward pass of the blocks' Linears (in the compute dtype ptq picks here)
+plus the Hessians (float32), over the matmul GFLOP/s measured here for each dtype.
 """
 
 from __future__ import annotations
@@ -100,23 +100,44 @@ def perplexity(path: Path) -> float:
     return ptq.evaluate(ptq.load(path), windows, show_progress=False).perplexity
 
 
-def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float]:
-    """(FLOPs of one pass of the blocks' Linears + attention + shared Hessians, floor s)."""
-    import transformers
-
-    c = transformers.AutoConfig.from_pretrained(model)
-    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
-    linears = h * (2 * h + 2 * kv) + 3 * h * i  # q, o, k, v, gate, up, down: MACs per token
-    hessians = 3 * h * h + i * i  # q/k/v share one, o, gate/up share one, down
-    attention = 2 * seq * h  # scores and weighted sum, per token (full, as the CPU kernels do)
-    flops = 2 * samples * seq * c.num_hidden_layers * (linears + hessians + attention)
-    a, b = torch.randn(4096, 1024), torch.randn(1024, 2816)
+def matmul_gflops(dtype: torch.dtype) -> float:
+    """GFLOP/s of a [4096 x 1024] @ [1024 x 2816] matmul in dtype on this machine."""
+    a, b = torch.randn(4096, 1024).to(dtype), torch.randn(1024, 2816).to(dtype)
     a @ b
     start = time.perf_counter()
     for _ in range(5):
         a @ b
-    gflops = 5 * 2 * 4096 * 1024 * 2816 / (time.perf_counter() - start) / 1e9
-    return flops, flops / (gflops * 1e9)
+    return 5 * 2 * 4096 * 1024 * 2816 / (time.perf_counter() - start) / 1e9
+
+
+def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float, float]:
+    """The least time the work can take here: (forward TFLOP, Hessian TFLOP, seconds).
+
+    One forward pass of the blocks' Linears and attention, in the compute dtype ptq picks
+    here, plus the shared Hessians (upper blocks only, as accumulated) in float32, each
+    over the matmul rate measured for its dtype. Loading, saving and the GPTQ solves come
+    on top.
+    """
+    import transformers
+
+    from ptq.calibration.observers import HessianObserver
+    from ptq.devices import compute_dtype_for
+
+    c = transformers.AutoConfig.from_pretrained(model)
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    linears = h * (2 * h + 2 * kv) + 3 * h * i  # q, o, k, v, gate, up, down: MACs per token
+    attention = 2 * seq * h  # scores and weighted sum, per token (full, as the CPU kernels do)
+
+    def hessian(n: int) -> float:  # MACs per token of one shared Hessian, blocks on and above the diagonal
+        edges = HessianObserver()._edges(n)
+        return sum((b - a) * (n - a) for a, b in zip(edges, edges[1:]))
+
+    hessians = 3 * hessian(h) + hessian(i)  # q/k/v share one, o, gate/up share one, down
+    tokens_layers = 2 * samples * seq * c.num_hidden_layers
+    forward, second = tokens_layers * (linears + attention), tokens_layers * hessians
+    dtype = compute_dtype_for("cpu", torch.bfloat16)
+    seconds = forward / (matmul_gflops(dtype) * 1e9) + second / (matmul_gflops(torch.float32) * 1e9)
+    return forward / 1e12, second / 1e12, seconds
 
 
 def main() -> None:
@@ -156,8 +177,8 @@ def main() -> None:
     for name, tool, dtype, r in rows:
         print(f"{name:8} {tool:14} {dtype:9} {r['wall']:8.1f} {r['gptq']:8.1f} {r['peak_rss_mb']:12.0f} {r['ppl']:9.3f}")
     for name in args.models:
-        flops, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
-        print(f"floor ({name}): {flops / 1e12:.2f} TFLOP of Linears + Hessians + attention = {seconds:.1f} s here")
+        forward, hessians, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
+        print(f"floor ({name}): {forward:.2f} TFLOP forward + {hessians:.2f} TFLOP Hessians = {seconds:.1f} s here")
 
 
 if __name__ == "__main__":

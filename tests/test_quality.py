@@ -22,9 +22,9 @@ def windows(tokenizer):
     return ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
 
 
-def increase(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=None) -> float:
-    """Perplexity after minus before, for the recipe on the bundled model (or its outlier
-    variant), both computed in the dtype ptq chose (or was given)."""
+def quality(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=None) -> tuple[float, float]:
+    """(perplexity after minus before, KL) of the recipe on the bundled model (or its
+    outlier variant), both models computed in the dtype ptq chose (or was given)."""
     models = []
     for _ in range(2):
         model, _ = ptq.load_model()
@@ -37,7 +37,11 @@ def increase(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=Non
     ptq.quantize(quantized, parse_recipe(recipe), tokenizer=tokenizer, dtype=dtype, show_progress=False)
     cast_parameters_(reference, quantized.ptq_report.compute_dtype)
     result = ptq.evaluate(quantized, windows, reference=reference, show_progress=False)
-    return result.perplexity - result.reference_perplexity
+    return result.perplexity - result.reference_perplexity, result.kl
+
+
+def increase(recipe: dict, windows, tokenizer, outliers: bool = False) -> float:
+    return quality(recipe, windows, tokenizer, outliers)[0]
 
 
 def test_bundled_model_learned_the_language(tokenizer, windows):
@@ -54,14 +58,19 @@ def test_bundled_model_learned_the_language(tokenizer, windows):
     assert perplexity < 100 < report["unigram_perplexity"] / 8
 
 
-@pytest.mark.parametrize("scheme,floor,dtype", [("W4A16", 0.6, None), ("W4A16", 0.6, torch.float32),
-                                                 ("W3A16", 0.6, None)])
-def test_gptq_beats_rtn(tokenizer, windows, scheme, floor, dtype):
-    rtn = increase({"steps": [{"rtn": {"scheme": scheme}}]}, windows, tokenizer, dtype=dtype)
-    gptq = increase({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": scheme}}]}, windows, tokenizer,
-                    dtype=dtype)
-    # measured: W4 +0.295 vs +0.608 (0.49); W3 see the closing note of the GPTQ issue
+# measured (perplexity increase, KL), RTN -> GPTQ, 128 x 512 calibration tokens:
+#   W4 float32: +0.608, 0.0130 -> +0.295, 0.0057 (0.49 of RTN's increase)
+#   W4 bf16:    +0.616, 0.0132 -> +0.365, 0.0060 (0.59; bf16 calibration activations cost a little)
+#   W3 bf16:    +2.122, 0.0601 -> +0.892, 0.0268 (0.42)
+# where ptq computes in bf16 (CPUs with fast bf16 matmuls) the W4 floor allows 0.65
+@pytest.mark.parametrize("scheme,dtype,floor", [("W4A16", torch.float32, 0.6), ("W4A16", None, 0.65),
+                                                 ("W3A16", None, 0.6)])
+def test_gptq_beats_rtn(tokenizer, windows, scheme, dtype, floor):
+    rtn, rtn_kl = quality({"steps": [{"rtn": {"scheme": scheme}}]}, windows, tokenizer, dtype=dtype)
+    gptq, gptq_kl = quality({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": scheme}}]}, windows,
+                            tokenizer, dtype=dtype)
     assert 0 < gptq <= floor * rtn
+    assert gptq_kl <= 0.5 * rtn_kl
 
 
 def test_awq_beats_rtn_with_outliers(tokenizer, windows):

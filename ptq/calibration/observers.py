@@ -20,39 +20,39 @@ class Observer:
 class HessianObserver(Observer):
     """H = 2/N · Σ x xᵀ over all N tokens seen: float32 [in, in].
 
-    H is symmetric: with in >= SPLIT features only the upper blocks of a 2 x 2 split are
-    accumulated (a quarter fewer FLOPs) and the lower one is mirrored when read.
+    H is symmetric: the features are split into blocks of about BLOCK and only the blocks
+    on and above the diagonal are accumulated (with 5 blocks, 15 of 25: 40% fewer FLOPs);
+    the others are mirrored when H is read.
     """
 
-    SPLIT = 1024
+    BLOCK = 512
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
         self.tokens = 0
+
+    def _edges(self, n: int) -> list[int]:
+        blocks = max(1, n // self.BLOCK)
+        return [n * b // blocks for b in range(blocks + 1)]
 
     def update(self, x: Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
         n = flat.shape[1]
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32, device=x.device)
-        if n < self.SPLIT:
-            self.sum.addmm_(flat.t(), flat)
-        else:
-            a = n // 2
-            left, right = flat[:, :a], flat[:, a:]
-            self.sum[:a, :a].addmm_(left.t(), left)
-            self.sum[:a, a:].addmm_(left.t(), right)
-            self.sum[a:, a:].addmm_(right.t(), right)
+        edges = self._edges(n)
+        parts = [flat[:, a:b] for a, b in zip(edges, edges[1:])]
+        for i, (a, b) in enumerate(zip(edges, edges[1:])):
+            self.sum[a:b, a:].addmm_(parts[i].t(), flat[:, a:])  # the row of blocks from the diagonal on
         self.tokens += flat.shape[0]
 
     @property
     def value(self) -> Tensor:
         assert self.sum is not None, "no calibration batch reached this Linear"
         H = self.sum * (2.0 / self.tokens)
-        n = H.shape[0]
-        if n >= self.SPLIT:
-            a = n // 2
-            H[a:, :a] = H[:a, a:].t()
+        edges = self._edges(H.shape[0])
+        for a, b in zip(edges[1:-1], edges[2:]):
+            H[a:b, :a] = H[:a, a:b].t()
         return H
 
 

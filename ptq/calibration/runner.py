@@ -193,6 +193,7 @@ def run_blocks(
     previous block; "original": the outputs the previous block gave before processing.
     """
     blocks = model.get_submodule(blocks_path)
+    home = next(blocks.parameters()).device  # where the model lives between uses
     inputs = capture_first_block_inputs(model, blocks, batches, device, batch_size)
     bar = tqdm(blocks, desc="blocks", unit="block", disable=not show_progress)
     for index, block in enumerate(bar):
@@ -204,3 +205,4 @@ def run_blocks(
                 inputs = original_outputs
             else:
                 inputs = outputs if outputs is not None else run.outputs()
+    _move_all_but_blocks(model, blocks, home)  # embeddings, final norm, head: back home

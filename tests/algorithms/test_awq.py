@@ -28,14 +28,6 @@ from tests.test_arch import tiny
 W4G32 = QuantArgs(num_bits=4, strategy="group", group_size=32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from threads; on a busy machine threads only wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --- the search itself ------------------------------------------------------------------
 

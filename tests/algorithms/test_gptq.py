@@ -16,14 +16,6 @@ from ptq.primitives import FP8_DTYPE, quantize
 from ptq.schemes import QuantArgs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are too small to gain from threads; on a busy machine threads only wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _problem(out: int = 64, inp: int = 256, tokens: int = 512, seed: int = 0):
     """W [out, in], X [tokens, in], H = 2/N XᵀX [in, in]."""

@@ -15,14 +15,6 @@ from tests.test_arch import tiny
 FAMILIES = [("llama", 2), ("llama", 4), ("mistral", 2), ("qwen2", 2), ("qwen3", 2), ("qwen3", 4), ("opt", 4)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from threads; on a busy machine threads only wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_scales_match_a_hand_computation():
     act = torch.tensor([4.0, 1.0, 0.25])

@@ -64,7 +64,7 @@ def test_shared_inputs_share_one_hessian(family):
         ]
 
 
-@pytest.mark.parametrize("features", [8, HessianObserver.SPLIT + 3])
+@pytest.mark.parametrize("features", [8, HessianObserver.BLOCK * 2 + 3, HessianObserver.BLOCK * 5 + 1])
 def test_hessian_matches_definition(features):
     x = torch.randn(4, 10, features, generator=torch.Generator().manual_seed(2))
     observer = HessianObserver()
