@@ -189,9 +189,11 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
         prefix = run.name + "."
         mine = {n[len(prefix):]: m for n, m in inside.items() if n.startswith(prefix)}
         key = (type(run.block), tuple(mine))
-        order = orders[key] if key in orders else orders.setdefault(key, execution_stages(run, mine))
+        if key not in orders:
+            orders[key] = execution_stages(run, mine)
+        order = orders[key]
         if order.never_called:
-            _quantize_rtn(model, {prefix + n: mine[n] for n in order.never_called}, step, report)
+            _quantize_rtn(model, {prefix + n: mine.pop(n) for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
         for transform in recipe.transforms:
             start = time.perf_counter()
