@@ -69,6 +69,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     output = Path(args.output or f"{Path(location).name}-{Path(args.recipe).stem.lower()}")
     if output.exists() and not args.overwrite:
         raise PtqError(f"output '{output}' already exists; choose another --output or pass --overwrite")
+    source = Path(location).resolve()
+    if source.exists() and (output.resolve() == source or source in output.resolve().parents):
+        raise PtqError(f"output '{output}' is the source model's folder (or inside it); choose another --output")
     start = time.perf_counter()
     model, tokenizer = ptq.load_model(location)
     names = list(select_linears(model, recipe.weight_step))

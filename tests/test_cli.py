@@ -140,3 +140,12 @@ def test_python_dash_m(tmp_path):
 def test_bench_without_gpu(capsys):
     code, _, err = run_cli(capsys, "bench")
     assert code == 2 and err.strip() == "ptq: error: no CUDA GPU here: ptq bench measures the Triton kernels on a GPU"
+
+
+def test_never_writes_into_the_source_model(capsys, tmp_path, small_model):
+    before = sorted(p.name for p in small_model.iterdir())
+    for output in (small_model, small_model / "quantized"):
+        code, _, err = run_cli(capsys, "quantize", "--recipe", "W4A16", "--model", small_model,
+                               "--output", output, "--overwrite")
+        assert code == 2 and "is the source model's folder" in err
+    assert sorted(p.name for p in small_model.iterdir()) == before
