@@ -58,9 +58,10 @@ def test_unreadable_model_path(capsys, tmp_path):
 
 
 def test_broken_model_files(capsys, tmp_path):
-    write(tmp_path / "config.json", "{not json")
+    (tmp_path / "model").mkdir()
+    write(tmp_path / "model" / "config.json", "{not json")
     out = tmp_path / "out"
-    assert_user_error(capsys, ["quantize", "--recipe", "W4A16", "--model", tmp_path, "--output", out],
+    assert_user_error(capsys, ["quantize", "--recipe", "W4A16", "--model", tmp_path / "model", "--output", out],
                       "cannot load model", out)
 
 
