@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ptq.checkpoint.writer import checkpoint_tensors
+from ptq.checkpoint.writer import stored_tensors
 from ptq.evaluate import EvalResult
 from ptq.modules import QuantLinear
 
@@ -34,7 +34,7 @@ def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 
 def size_of(model: nn.Module, dtype: torch.dtype, linear_names: list[str]) -> Size:
     """Stored size of the model with its float tensors in dtype; the Linears' share of it."""
-    total = sum(_nbytes(t) for t in checkpoint_tensors(model, dtype).values())
+    total = sum(t.numel() * stored.itemsize for _, t, stored in stored_tensors(model, dtype))
     linear_bytes = weights = 0
     for name in linear_names:
         module = model.get_submodule(name)

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,22 +62,23 @@ def quantization_config(model: nn.Module) -> dict:
     }
 
 
-def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The tensors to store: quantized buffers as they are, float tensors cast to dtype.
-
-    Non-persistent buffers (e.g. rotary frequencies) are left out, and so is a weight tied
-    to another one (lm_head tied to the embeddings).
-    """
-    tensors, seen = {}, set()
+def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor, torch.dtype]]:
+    """(name, tensor, dtype it is stored in) for what a checkpoint holds: quantized buffers
+    as they are, other float tensors in dtype. Non-persistent buffers (rotary frequencies)
+    are left out, and so is a weight tied to another one (lm_head tied to the embeddings)."""
+    seen = set()
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
         if key in seen and tensor.numel() > 1:
             continue
         seen.add(key)
-        if tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not _is_scale(name):
-            tensor = tensor.to(dtype)
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors
+        cast = tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not _is_scale(name)
+        yield name, tensor, dtype if cast else tensor.dtype
+
+
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The tensors to store, on the CPU in their stored dtypes (see stored_tensors)."""
+    return {name: t.detach().to(stored).contiguous().cpu() for name, t, stored in stored_tensors(model, dtype)}
 
 
 def _is_scale(name: str) -> bool:
