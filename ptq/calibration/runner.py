@@ -31,6 +31,14 @@ class _StopForward(Exception):
     """Raised by a pre-hook to end a forward pass once the wanted inputs are captured."""
 
 
+def run_until_stopped(module: nn.Module, *args, **kwargs) -> None:
+    """Call module; a hook that raised _StopForward ends the call early, as intended."""
+    try:
+        module(*args, **kwargs)
+    except _StopForward:
+        pass
+
+
 @torch.no_grad()
 def capture_first_block_inputs(
     model: nn.Module, blocks: nn.ModuleList, batches: Tensor, device: torch.device, batch_size: int
@@ -46,10 +54,7 @@ def capture_first_block_inputs(
     try:
         _move_all_but_blocks(model, blocks, device)
         for batch in batches.split(batch_size):
-            try:
-                model(input_ids=batch.to(device), use_cache=False)
-            except _StopForward:
-                pass
+            run_until_stopped(model, input_ids=batch.to(device), use_cache=False)
     finally:
         handle.remove()
     return captured
@@ -122,10 +127,7 @@ class BlockRun:
         try:
             for args, kwargs in self.inputs:
                 seen.clear()
-                try:
-                    self.block(*args, **kwargs)
-                except _StopForward:
-                    pass
+                run_until_stopped(self.block, *args, **kwargs)
         finally:
             seen.clear()
             for handle in handles:
@@ -144,9 +146,7 @@ class BlockRun:
         handle = module.register_forward_pre_hook(take)
         args, kwargs = self.inputs[0]
         try:
-            self.block(*args, **kwargs)
-        except _StopForward:
-            pass
+            run_until_stopped(self.block, *args, **kwargs)
         finally:
             handle.remove()
         assert captured, "the module is not called by the block's forward pass"

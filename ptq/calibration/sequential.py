@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ptq.calibration.observers import Observer
-from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden
+from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden, run_until_stopped
 from ptq.modules import cached_weight
 
 
@@ -181,10 +181,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
         ]
         try:
             for batch.index, (args, kwargs) in enumerate(run.inputs):
-                try:
-                    run.block(*args, **kwargs)
-                except _StopForward:
-                    pass
+                run_until_stopped(run.block, *args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
