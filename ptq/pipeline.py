@@ -207,20 +207,23 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
             _quantize_rtn(model, {prefix + n: m for n, m in mine.items()}, step, report)
             return None
 
-        def quantize_one(rel: str, observer: Observers) -> nn.Module:
-            return _quantize_one(model, prefix + rel, mine[rel], observer.value, step, report)
+        def quantize_stage(stage: list[str], observer: Observers) -> dict[str, nn.Module]:
+            linears = {prefix + rel: mine[rel] for rel in stage}
+            modules = _quantize_shared_input(model, linears, observer.value, step, report)
+            return {name[len(prefix):]: module for name, module in modules.items()}
 
         start = time.perf_counter()
         if cal.true_sequential and order.called_once:
-            outputs = quantize_block_sequentially(run, order.stages, mine, make_observer, quantize_one)
+            outputs = quantize_block_sequentially(run, order.stages, mine, make_observer, quantize_stage)
         else:
             outputs = None
             groups = order.stages if cal.true_sequential else [sum(order.stages, [])]
             for i, group in enumerate(groups):
                 stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) else None
                 observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
-                for rel in group:
-                    quantize_one(rel, observers[rel])
+                for stage in order.stages:  # Linears of one stage share their observer
+                    if stage[0] in group:
+                        quantize_stage(stage, observers[stage[0]])
         report.add_time("calibration passes", time.perf_counter() - start)
         return outputs
 
@@ -237,22 +240,44 @@ def _round_to_(module: nn.Module, dtype: torch.dtype) -> None:
             param.copy_(param.to(dtype))
 
 
-def _quantize_one(model, name, linear, stats: dict, step: WeightStep, report) -> nn.Module:
-    """Quantize one Linear from its calibration statistics and install its QuantLinear."""
+def _quantize_shared_input(model, linears: dict[str, nn.Linear], stats: dict, step: WeightStep, report) -> dict[str, nn.Module]:
+    """Quantize Linears that read one input (q/k/v, gate/up) from its statistics and install
+    their QuantLinears. GPTQ solves them as one weight stacked along the outputs: its rows
+    are independent given the shared Hessian, so one factorisation and one column loop
+    serve them all."""
     args = step.scheme.weights
+    names = list(linears)
+    weights = [linear.weight.detach() for linear in linears.values()]
     if isinstance(step, GPTQStep):
         start = time.perf_counter()
         result = gptq(
-            linear.weight.detach(), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
+            torch.cat(weights), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
             block_size=step.block_size, damp=step.damp, actorder=step.actorder, scales=step.scales,
         )
         report.add_time("GPTQ solves", time.perf_counter() - start)
-        qw = result.weight
-        report.layers[name] = "gptq" if result.fallback is None else "rtn (fallback)"
+        parts = _split_rows(result.weight, [w.shape[0] for w in weights])
+        how = "gptq" if result.fallback is None else "rtn (fallback)"
         if result.fallback:
-            report.notes.append(f"{name}: GPTQ fell back to RTN: {result.fallback}")
+            report.notes.append(f"{', '.join(names)}: GPTQ fell back to RTN: {result.fallback}")
     else:
-        qw = rtn(linear.weight.detach(), args, report.checkpoint_dtype)
-        report.layers[name] = "rtn"
+        parts = [rtn(w, args, report.checkpoint_dtype) for w in weights]
+        how = "rtn"
     scale = _input_scale(stats["absmax"], step, report.checkpoint_dtype) if "absmax" in stats else None
-    return _replace(model, name, linear, qw, step, scale)
+    modules = {}
+    for name, qw in zip(names, parts):
+        report.layers[name] = how
+        modules[name] = _replace(model, name, linears[name], qw, step, scale)
+    return modules
+
+
+def _split_rows(qw: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
+    """The QuantizedWeights of stacked Linears, cut back along the output rows."""
+    if len(rows) == 1:
+        return [qw]
+
+    def cut(t: torch.Tensor | None) -> list:
+        return [None] * len(rows) if t is None else list(t.split(rows))
+
+    # one scale per tensor: the stacked Linears were quantized with the same one
+    scales = [qw.scale] * len(rows) if qw.args.strategy == "tensor" else cut(qw.scale)
+    return [qw.with_(q=q, scale=s, zero=z) for q, s, z in zip(cut(qw.q), scales, cut(qw.zero))]

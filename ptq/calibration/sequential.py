@@ -128,9 +128,10 @@ def quantize_block_sequentially(
     stages: list[list[str]],
     linears: dict[str, nn.Linear],
     make_observer: Callable[[], Observer],
-    quantize: Callable[[str, Observer], nn.Module],
+    quantize: Callable[[list[str], Observer], dict[str, nn.Module]],
 ) -> Inputs:
-    """Quantize the stages in order (quantize(name, observer) returns the installed module);
+    """Quantize the stages in order (quantize(stage, observer) quantizes the stage's
+    Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
     batch = _Batch()
     replays: dict[str, list] = {}
@@ -146,8 +147,7 @@ def quantize_block_sequentially(
             # Memory: the final pass recomputes the few Linears whose outputs only fed this
             # stage (gate/up) rather than keeping their outputs through its solve
             replays = {name: out for name, out in replays.items() if name not in linears}
-        for name in stage:
-            module = quantize(name, observer)
+        for name, module in quantize(stage, observer).items():
             if recorded is not None:
                 with cached_weight(module):
                     replays[name] = [module(x) for x in recorded]

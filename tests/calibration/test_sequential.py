@@ -24,11 +24,14 @@ def quantize_with(model, replay: bool):
         linears = {n: m for n, m in run.block.named_modules() if isinstance(m, nn.Linear)}
         order = execution_stages(run, linears)
 
-        def quantize(rel, observer):
-            hessians[f"{run.index}.{rel}"] = observer.value
-            module = QuantLinear.from_quantized(linears[rel], rtn(linears[rel].weight, scheme.weights, torch.float32), scheme)
-            run.block.set_submodule(rel, module)
-            return module
+        def quantize(stage, observer):
+            modules = {}
+            for rel in stage:
+                hessians[f"{run.index}.{rel}"] = observer.value
+                qw = rtn(linears[rel].weight, scheme.weights, torch.float32)
+                modules[rel] = QuantLinear.from_quantized(linears[rel], qw, scheme)
+                run.block.set_submodule(rel, modules[rel])
+            return modules
 
         if replay:
             result = quantize_block_sequentially(run, order.stages, linears, HessianObserver, quantize)
@@ -36,8 +39,7 @@ def quantize_with(model, replay: bool):
             for i, stage in enumerate(order.stages):
                 stop = linears[order.stages[i + 1][0]] if i + 1 < len(order.stages) else None
                 observers = run.collect({n: linears[n] for n in stage}, HessianObserver, stop_at=stop)
-                for rel in stage:
-                    quantize(rel, observers[rel])
+                quantize(stage, observers[stage[0]])
             result = run.outputs()
         outputs.append(torch.cat([args[0] for args, _ in result]))
         return result
@@ -75,11 +77,14 @@ def test_linears_run_once_per_batch():
         calls.clear()
         scheme = PRESETS["W8A16"]
 
-        def quantize(rel, observer):
-            module = QuantLinear.from_quantized(linears[rel], rtn(linears[rel].weight, scheme.weights, torch.float32), scheme)
-            module.register_forward_hook(count(rel))
-            run.block.set_submodule(rel, module)
-            return module
+        def quantize(stage, observer):
+            modules = {}
+            for rel in stage:
+                qw = rtn(linears[rel].weight, scheme.weights, torch.float32)
+                modules[rel] = QuantLinear.from_quantized(linears[rel], qw, scheme)
+                modules[rel].register_forward_hook(count(rel))
+                run.block.set_submodule(rel, modules[rel])
+            return modules
 
         for name, module in linears.items():
             module.register_forward_hook(count(name + " (unquantized)"))
