@@ -214,7 +214,7 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
 
         start = time.perf_counter()
         if cal.true_sequential and order.called_once:
-            outputs = quantize_block_sequentially(run, order.stages, mine, make_observer, quantize_stage)
+            outputs = quantize_block_sequentially(run, order, mine, make_observer, quantize_stage)
         else:
             outputs = None
             groups = order.stages if cal.true_sequential else [sum(order.stages, [])]

@@ -64,16 +64,25 @@ class Stages:
     stages: list[list[str]]  # in execution order; a stage's Linears read the same input
     never_called: list[str]  # target Linears the block's forward does not use
     called_once: bool  # every Linear ran once per forward pass (replaying needs that)
+    # submodule -> (the Linear whose output it returns, length of the tuple it returns
+    # with that output first and None after it; 0 when it returns the tensor itself)
+    returns: dict[str, tuple[str, int]]
 
 
 @torch.no_grad()
 def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
-    """Group the Linears by one forward pass of the first batch through the block."""
+    """Group the Linears by one forward pass of the first batch through the block, and
+    note which submodules return a Linear's output as it is (self_attn returns o_proj's)."""
     calls: list[tuple[str, Tensor]] = []
+    outputs: dict[str, object] = {}
     handles = [
         m.register_forward_pre_hook(lambda _m, args, name=n: calls.append((name, args[0])))
         for n, m in linears.items()
     ]
+    for name in {a for n in linears for a in _ancestors(n)} | set(linears):
+        handles.append(run.block.get_submodule(name).register_forward_hook(
+            lambda _m, _a, out, name=name: outputs.setdefault(name, out)
+        ))
     try:
         args, kwargs = run.inputs[0]
         run.block(*args, **kwargs)
@@ -92,7 +101,19 @@ def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
         previous = x
     once = len(calls) == len({name for name, _ in calls})
     missing = [n for n in linears if not any(n in stage for stage in stages)]
-    return Stages(stages, missing, once)
+    return Stages(stages, missing, once, _returned_linears(outputs, linears))
+
+
+def _returned_linears(outputs: dict[str, object], linears: dict[str, nn.Linear]) -> dict[str, tuple[str, int]]:
+    returns = {}
+    for name, out in outputs.items():
+        if name in linears:
+            continue
+        first, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        inner = [n for n in linears if n.startswith(name + ".") and outputs.get(n) is first]
+        if inner and all(r is None for r in rest):
+            returns[name] = (inner[0], len(out) if isinstance(out, tuple) else 0)
+    return returns
 
 
 @contextmanager
@@ -125,7 +146,7 @@ def _complete_ancestors(replays: dict[str, list], linears: dict[str, nn.Linear],
 @torch.no_grad()
 def quantize_block_sequentially(
     run: BlockRun,
-    stages: list[list[str]],
+    order: Stages,
     linears: dict[str, nn.Linear],
     make_observer: Callable[[], Observer],
     quantize: Callable[[list[str], Observer], dict[str, nn.Module]],
@@ -133,6 +154,7 @@ def quantize_block_sequentially(
     """Quantize the stages in order (quantize(stage, observer) quantizes the stage's
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
+    stages = order.stages
     batch = _Batch()
     replays: dict[str, list] = {}
     done: set[str] = set()
@@ -153,11 +175,28 @@ def quantize_block_sequentially(
                     replays[name] = [module(x) for x in recorded]
             done.add(name)
         del recorded
+        _replay_returning_modules(replays, order.returns, linears, done)
     next_inputs: Inputs = []
     with _replaying(run.block, replays, batch), cached_weight(run.block):
         for batch.index, (args, kwargs) in enumerate(run.inputs):
             next_inputs.append(_with_hidden(args, kwargs, _hidden(run.block(*args, **kwargs))))
     return next_inputs
+
+
+def _replay_returning_modules(
+    replays: dict[str, list], returns: dict[str, tuple[str, int]], linears: dict[str, nn.Linear], done: set[str]
+) -> None:
+    """A submodule that returns its last Linear's output (self_attn returns o_proj's) is
+    replayed whole as soon as all its Linears are quantized: no pass recomputes it."""
+    for name, (linear, length) in sorted(returns.items(), key=lambda item: len(item[0])):
+        inside = [n for n in linears if n.startswith(name + ".")]
+        if name in done or linear not in replays or not all(n in done for n in inside):
+            continue
+        outputs = replays[linear]
+        replays[name] = [(out,) + (None,) * (length - 1) if length else out for out in outputs]
+        for inner in [n for n in replays if n.startswith(name + ".")]:
+            del replays[inner]
+        done.add(name)
 
 
 def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded) -> dict[str, list]:
