@@ -10,7 +10,8 @@ inputs produced by the already-quantized stages before it:
   recorded inputs;
 - in later passes those modules are replaced by replays of their outputs, so no Linear
   is computed twice; once every Linear inside a submodule (self_attn, mlp) is quantized,
-  that submodule's output is recorded in the next pass and replayed whole instead;
+  the submodule is replayed whole: at once when it returns its last Linear's output as
+  is (self_attn returns o_proj's), else from its outputs recorded in the next pass;
 - the last stage keeps no replays of single Linears through its solve (memory): the final
   pass, which gives the block's outputs (the next block's inputs), recomputes them.
 
@@ -133,13 +134,23 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def _complete(name: str, linears: dict[str, nn.Linear], done: set[str]) -> bool:
+    """The submodule is not replayed whole yet, and every target Linear in it is quantized."""
+    inside = [n for n in linears if n.startswith(name + ".")]
+    return name not in done and bool(inside) and all(n in done for n in inside)
+
+
+def _replay_whole(replays: dict[str, list], done: set[str], name: str, outputs: list) -> None:
+    """Replay the submodule from its outputs instead of the Linears inside it."""
+    for inner in [n for n in replays if n.startswith(name + ".")]:
+        del replays[inner]
+    replays[name] = outputs
+    done.add(name)
+
+
 def _complete_ancestors(replays: dict[str, list], linears: dict[str, nn.Linear], done: set[str]) -> list[str]:
     """Submodules all of whose target Linears are quantized and not yet replayed whole."""
-    found = []
-    for name in {a for n in replays for a in _ancestors(n)}:
-        inside = [n for n in linears if n.startswith(name + ".")]
-        if name not in done and inside and all(n in done for n in inside):
-            found.append(name)
+    found = [name for name in {a for n in replays for a in _ancestors(n)} if _complete(name, linears, done)]
     return sorted(found, key=len)
 
 
@@ -189,14 +200,9 @@ def _replay_returning_modules(
     """A submodule that returns its last Linear's output (self_attn returns o_proj's) is
     replayed whole as soon as all its Linears are quantized: no pass recomputes it."""
     for name, (linear, length) in sorted(returns.items(), key=lambda item: len(item[0])):
-        inside = [n for n in linears if n.startswith(name + ".")]
-        if name in done or linear not in replays or not all(n in done for n in inside):
-            continue
-        outputs = replays[linear]
-        replays[name] = [(out,) + (None,) * (length - 1) if length else out for out in outputs]
-        for inner in [n for n in replays if n.startswith(name + ".")]:
-            del replays[inner]
-        done.add(name)
+        if linear in replays and _complete(name, linears, done):
+            outputs = [(out,) + (None,) * (length - 1) if length else out for out in replays[linear]]
+            _replay_whole(replays, done, name, outputs)
 
 
 def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded) -> dict[str, list]:
@@ -236,7 +242,4 @@ def _coarsen(
             continue  # an enclosing module is replayed instead
         if len(outputs[name]) != batches:
             continue  # it did not finish before the pass stopped
-        for inner in [n for n in replays if n.startswith(name + ".")]:
-            del replays[inner]
-        replays[name] = outputs[name]
-        done.add(name)
+        _replay_whole(replays, done, name, outputs[name])
