@@ -138,7 +138,8 @@ class QuantLinear(nn.Module):
         w = self.scheme.weights
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.scheme.format == "pack-quantized":
-            if not w.symmetric and self._zero_unpacked is None:
+            stale = self._zero_unpacked is None or self._zero_unpacked.device != x.device
+            if not w.symmetric and stale:  # unpacked once per device (the module may move)
                 self._zero_unpacked = self.quantized_weight().zero
             return kernels.wna16_matmul(
                 x, self.weight_packed, self.weight_scale, bits=w.num_bits, group_size=w.group_size,

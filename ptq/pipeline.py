@@ -3,8 +3,8 @@
 It quantizes the model IN PLACE: every targeted nn.Linear is replaced by a QuantLinear
 (the replaced Linear is emptied onto the meta device), and the model is moved to the
 compute dtype (ptq.devices: the model's 16-bit dtype on CUDA and on CPUs with fast bf16
-matmuls, float32 on other CPUs). It returns the same model, with `model.ptq_report` describing what was done.
-Nothing here prints (progress bars aside).
+matmuls, float32 on other CPUs). It returns the same model, with `model.ptq_report`
+describing what was done. Nothing here prints (progress bars aside).
 """
 
 from __future__ import annotations
