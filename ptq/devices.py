@@ -35,6 +35,32 @@ def cpu_bf16_is_fast() -> bool:
     return seconds[torch.bfloat16] < 0.7 * seconds[torch.float32]
 
 
+@functools.cache
+def bf16_products_split_exactly(device_type: str) -> bool:
+    """True when two bf16 GEMMs on this device give a float32-accurate product.
+
+    For bf16 inputs A, B the products are exact in float32 and a GEMM accumulates them in
+    float32; only its bf16 output is rounded. hi = A @ B, then lo = A @ B - hi (an addmm
+    with beta = -1, which adds its input before the one rounding) leaves hi + lo within
+    about 2^-17 of the product. Checked once per device type on a small problem, so a
+    backend that rounds the addmm input first is caught (and float32 GEMMs used there).
+    """
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 64, generator=generator).to(device_type, torch.bfloat16)
+    b = torch.randn(256, 96, generator=generator).to(device_type, torch.bfloat16)
+    exact = a.double().t() @ b.double()  # [64, 96]
+    hi, lo = split_bf16_product(a.t(), b)
+    error = (hi.double() + lo.double() - exact).abs().max() / exact.abs().max()
+    return bool(error < 2**-14)
+
+
+def split_bf16_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a @ b for bf16 a [m, k], b [k, n] as two bf16 parts whose float32 sum is accurate."""
+    hi = a @ b  # [m, n] bf16: the product rounded once
+    lo = torch.addmm(hi, a, b, beta=-1)  # [m, n] bf16: what that rounding lost
+    return hi, lo
+
+
 def compute_dtype_for(device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: the model's on an accelerator; on a CPU, bf16 for a bf16
     model when the CPU has fast bf16 matmuls, else float32."""

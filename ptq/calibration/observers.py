@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ptq.devices import bf16_products_split_exactly, cpu_bf16_is_fast, split_bf16_product
+
 
 class Observer:
     """Accumulates a statistic of x [..., in_features] over calibration batches."""
@@ -23,6 +25,11 @@ class HessianObserver(Observer):
     H is symmetric: the features are split into blocks of about BLOCK and only the blocks
     on and above the diagonal are accumulated (with 5 blocks, 15 of 25: 40% fewer FLOPs);
     the others are mirrored when H is read.
+
+    bf16 inputs on a CPU with fast bf16 GEMMs skip the float32 GEMM: each block product is
+    taken as two bf16 GEMMs (the product rounded, then what the rounding lost), whose sum
+    is within about 2^-17 of the float32 product, at twice the speed here. The sum itself
+    is always float32.
     """
 
     BLOCK = 512
@@ -36,14 +43,20 @@ class HessianObserver(Observer):
         return [n * b // blocks for b in range(blocks + 1)]
 
     def update(self, x: Tensor) -> None:
-        flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        split = _split_products(flat)
+        if not split:
+            flat = flat.float()
         n = flat.shape[1]
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32, device=x.device)
         edges = self._edges(n)
-        parts = [flat[:, a:b] for a, b in zip(edges, edges[1:])]
-        for i, (a, b) in enumerate(zip(edges, edges[1:])):
-            self.sum[a:b, a:].addmm_(parts[i].t(), flat[:, a:])  # the row of blocks from the diagonal on
+        for a, b in zip(edges, edges[1:]):  # the row of blocks from the diagonal on
+            if split:
+                hi, lo = split_bf16_product(flat[:, a:b].t(), flat[:, a:])  # [b - a, n - a] each
+                self.sum[a:b, a:].add_(hi).add_(lo)
+            else:
+                self.sum[a:b, a:].addmm_(flat[:, a:b].t(), flat[:, a:])
         self.tokens += flat.shape[0]
 
     @property
@@ -54,6 +67,16 @@ class HessianObserver(Observer):
         for a, b in zip(edges[1:-1], edges[2:]):
             H[a:b, :a] = H[:a, a:b].t()
         return H
+
+
+def _split_products(x: Tensor) -> bool:
+    """Whether x xᵀ products are taken as split bf16 GEMMs (see HessianObserver)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and cpu_bf16_is_fast()
+        and bf16_products_split_exactly("cpu")
+    )
 
 
 class AbsMaxObserver(Observer):

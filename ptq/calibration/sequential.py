@@ -12,12 +12,13 @@ inputs produced by the already-quantized stages before it:
   is computed twice; once every Linear inside a submodule (self_attn, mlp) is quantized,
   the submodule is replayed whole: at once when it returns its last Linear's output as
   is (self_attn returns o_proj's), else from its outputs recorded in the next pass;
-- the last stage keeps no replays of single Linears through its solve (memory): the final
-  pass, which gives the block's outputs (the next block's inputs), recomputes them.
+- the last stage's pass uses the replays of the Linears feeding it (gate/up) for the last
+  time and lets go of each batch's outputs as it goes, so its recorded input (down's)
+  takes their place instead of adding to them; the final pass, which gives the block's
+  outputs (the next block's inputs), then runs only the glue.
 
-The cost per block is about one forward pass of its Linears (plus the Linears feeding
-the last stage once more) and a few passes of the glue between them (attention core,
-norms), instead of two or more full passes.
+The cost per block is about one forward pass of its Linears and a few passes of the glue
+between them (attention core, norms), instead of two or more full passes.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ class _Batch:
 class _Replay(nn.Module):
     """Stands in for a module whose outputs on the calibration batches are known."""
 
-    def __init__(self, outputs: list, batch: _Batch):
+    def __init__(self, outputs: list, batch: _Batch, last_use: bool = False):
         super().__init__()
         self.outputs = outputs
         self.batch = batch
+        self.last_use = last_use  # no later pass replays these: hand each over and forget it
 
     def forward(self, *_args, **_kwargs):
+        if self.last_use:
+            output, self.outputs[self.batch.index] = self.outputs[self.batch.index], None
+            return output
         # a copy, so in-place ops downstream cannot corrupt what the next pass replays
         return _clone(self.outputs[self.batch.index])
 
@@ -118,10 +123,12 @@ def _returned_linears(outputs: dict[str, object], linears: dict[str, nn.Linear])
 
 
 @contextmanager
-def _replaying(block: nn.Module, replays: dict[str, list], batch: _Batch) -> Iterator[None]:
+def _replaying(
+    block: nn.Module, replays: dict[str, list], batch: _Batch, last_use: frozenset[str] = frozenset()
+) -> Iterator[None]:
     originals = {name: block.get_submodule(name) for name in replays}
     for name, outputs in replays.items():
-        block.set_submodule(name, _Replay(outputs, batch))
+        block.set_submodule(name, _Replay(outputs, batch, last_use=name in last_use))
     try:
         yield
     finally:
@@ -172,18 +179,18 @@ def quantize_block_sequentially(
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         observer = make_observer()
-        recorded: list[Tensor] | None = None if last else []
+        recorded: list[Tensor] = []
         pending = _complete_ancestors(replays, linears, done)
-        outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded)
+        # Memory: in the last stage's pass, the outputs of single Linears still replayed
+        # (gate/up) are needed for the last time; each batch's go as its input is recorded
+        last_use = frozenset(name for name in replays if name in linears) if last else frozenset()
+        outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded, last_use)
+        for name in last_use:
+            del replays[name]
         _coarsen(replays, pending, outputs, done, len(run.inputs))
-        if last:
-            # Memory: the final pass recomputes the few Linears whose outputs only fed this
-            # stage (gate/up) rather than keeping their outputs through its solve
-            replays = {name: out for name, out in replays.items() if name not in linears}
         for name, module in quantize(stage, observer).items():
-            if recorded is not None:
-                with cached_weight(module):
-                    replays[name] = [module(x) for x in recorded]
+            with cached_weight(module):
+                replays[name] = [module(x) for x in recorded]
             done.add(name)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
@@ -205,18 +212,17 @@ def _replay_returning_modules(
             _replay_whole(replays, done, name, outputs)
 
 
-def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded) -> dict[str, list]:
-    """One pass over the batches that observes (and records, unless recorded is None) the
-    stage's input, and records the outputs of the pending submodules."""
+def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded, last_use) -> dict[str, list]:
+    """One pass over the batches that observes and records the stage's input, and records
+    the outputs of the pending submodules; replays named in last_use are emptied."""
     outputs: dict[str, list] = {name: [] for name in pending}
 
     def take_input(_module, args):
-        if recorded is not None:
-            recorded.append(args[0])
+        recorded.append(args[0])
         observer.update(args[0])
         raise _StopForward
 
-    with _replaying(run.block, replays, batch):
+    with _replaying(run.block, replays, batch, last_use):
         handles = [first.register_forward_pre_hook(take_input)]
         handles += [
             run.block.get_submodule(name).register_forward_hook(
