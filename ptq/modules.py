@@ -44,6 +44,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.scheme = scheme
         self.actorder: str | None = None  # GPTQ activation order, recorded in the checkpoint config
+        self.observer = "minmax"  # how the weight scales were chosen, recorded there too
         self._cached: Tensor | None = None  # dequantized weight, only inside cached_weight()
         self.backend = "auto"
         self._zero_unpacked: Tensor | None = None  # for the kernels, unpacked once
@@ -99,6 +100,7 @@ class QuantLinear(nn.Module):
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         module.actorder = qw.actorder
+        module.observer = qw.observer
         return module
 
     def quantized_weight(self) -> QuantizedWeight:

@@ -168,7 +168,7 @@ def _input_scale(absmax: torch.Tensor, step: WeightStep, dtype: torch.dtype) -> 
 
 def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report) -> None:
     for name, linear in linears.items():
-        qw = rtn(linear.weight.detach(), step.scheme.weights, report.checkpoint_dtype)
+        qw = rtn(linear.weight.detach(), step.scheme.weights, report.checkpoint_dtype, step.observer)
         _replace(model, name, linear, qw, step)
         report.layers[name] = "rtn"
 
@@ -253,6 +253,7 @@ def _quantize_shared_input(model, linears: dict[str, nn.Linear], stats: dict, st
         result = gptq(
             torch.cat(weights), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
             block_size=step.block_size, damp=step.damp, actorder=step.actorder, scales=step.scales,
+            observer=step.observer,
         )
         report.add_time("GPTQ solves", time.perf_counter() - start)
         parts = _split_rows(result.weight, [w.shape[0] for w in weights])
@@ -260,7 +261,7 @@ def _quantize_shared_input(model, linears: dict[str, nn.Linear], stats: dict, st
         if result.fallback:
             report.notes.append(f"{', '.join(names)}: GPTQ fell back to RTN: {result.fallback}")
     else:
-        parts = [rtn(w, args, report.checkpoint_dtype) for w in weights]
+        parts = [rtn(w, args, report.checkpoint_dtype, step.observer) for w in weights]
         how = "rtn"
     scale = _input_scale(stats["absmax"], step, report.checkpoint_dtype) if "absmax" in stats else None
     modules = {}

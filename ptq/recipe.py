@@ -92,6 +92,8 @@ def register_step(name: str):
 class RTNStep(WeightStep):
     """Round to nearest: no calibration statistics."""
 
+    observer: Literal["minmax", "mse"] = "minmax"  # group ranges: min-max, or error-minimising
+
 
 @register_step("gptq")
 class GPTQStep(WeightStep):
@@ -101,6 +103,7 @@ class GPTQStep(WeightStep):
     damp: float = Field(default=0.01, gt=0, lt=1)
     actorder: Literal["none", "static", "group"] = "static"
     scales: Literal["updated", "original"] = "updated"
+    observer: Literal["minmax", "mse"] = "mse"  # group ranges: min-max, or error-minimising
 
 
 @register_step("smoothquant")

@@ -46,7 +46,7 @@ class QuantArgs(BaseModel):
     def qmax(self) -> int:
         return (1 << (self.num_bits - 1)) - 1
 
-    def to_config(self, actorder: str | None = None) -> dict:
+    def to_config(self, actorder: str | None = None, observer: str = "minmax") -> dict:
         """The compressed-tensors quantization-args dict for this tensor."""
         return {
             "num_bits": self.num_bits,
@@ -57,7 +57,7 @@ class QuantArgs(BaseModel):
             "block_structure": None,
             "dynamic": self.dynamic,
             "actorder": actorder,
-            "observer": None if self.dynamic else "minmax",
+            "observer": None if self.dynamic else observer,
             "observer_kwargs": {},
         }
 

@@ -7,20 +7,27 @@ Both tools quantize the same checkpoints (saved in bf16, as users load them) on 
 calibration token ids (default 32 x 512 from the bundled text), each in its own process
 so that peak RSS is its own. llm-compressor is never a ptq dependency: it runs from the
 virtual environment given by --llmc-python, in two settings: the model loaded in bf16 (as
-given) and in float32. ptq picks its compute dtype itself (float32 on a CPU).
+given) and in float32. ptq picks its compute dtype itself (bf16 where this CPU has fast
+bf16 matmuls, else float32).
+
+--no-fast-bf16 runs every worker as on a CPU without fast bf16 matmuls (AVX2 only, as the
+CPU the GPTQ issue was written on): oneDNN, torch's bf16 GEMM path here, is turned off,
+so bf16 Linears fall back to ATen's own kernels (ATEN_CPU_CAPABILITY=avx2). ptq's probe
+then picks float32; llm-compressor computes in the checkpoint's bf16.
 
 Models: the bundled trained model (quality: perplexity of each result on the held-out
 text) and a random-initialised Llama (hidden 1024, intermediate 2816, 4 layers, vocab
 32000: speed). The table shows wall time end to end (load, calibrate, quantize, save),
 the time inside the GPTQ solves, peak RSS, and perplexity; then the floor estimate: the
 FLOPs of one forward pass of the blocks' Linears (in the compute dtype ptq picks here)
-plus the Hessians (float32), over the matmul GFLOP/s measured here for each dtype.
+plus the Hessians (to float32 accuracy), over the matmul GFLOP/s measured here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -60,10 +67,20 @@ def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
     return {"bundled": bundled_model_path(), "random": random_path, "ids": work / "ids.pt"}
 
 
+NO_FAST_BF16 = "PTQ_BENCH_NO_FAST_BF16"  # set in a worker's environment by --no-fast-bf16
+
+
+def slow_bf16_if_asked() -> None:
+    """In a worker: turn off oneDNN when the benchmark emulates a CPU without fast bf16."""
+    if os.environ.get(NO_FAST_BF16) == "1":
+        torch.backends.mkldnn.enabled = False
+
+
 def ptq_worker(model_path: str, ids_path: str, out: str, options: dict) -> dict:
     import ptq
     from ptq.recipe import parse_recipe
 
+    slow_bf16_if_asked()
     start = time.perf_counter()
     ids = torch.load(ids_path)
     model, tokenizer = ptq.load_model(model_path)
@@ -76,15 +93,19 @@ def ptq_worker(model_path: str, ids_path: str, out: str, options: dict) -> dict:
     ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
     timings = model.ptq_report.timings
     return {"wall": time.perf_counter() - start, "gptq": timings.get("GPTQ solves", 0.0),
-            "peak_rss_mb": peak_rss_mb(), "timings": timings}
+            "peak_rss_mb": peak_rss_mb(), "timings": timings, "compute_dtype": str(model.ptq_report.compute_dtype)}
 
 
-def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str, options: str) -> dict:
+def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str, options: str,
+               no_fast_bf16: bool) -> dict:
     command = [python, str(HERE), "--worker", tool, "--model", str(model), "--ids", str(ids), "--out", str(out),
                "--dtype", dtype, "--ptq-options", options]
     if tool == "llmcompressor":
         command = [python, str(HERE.parent / "llmcompressor_worker.py")] + command[4:-2]
-    result = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if no_fast_bf16:
+        env.update({NO_FAST_BF16: "1", "ATEN_CPU_CAPABILITY": "avx2"})
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{tool} worker failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -114,14 +135,16 @@ def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float, fl
     """The least time the work can take here: (forward TFLOP, Hessian TFLOP, seconds).
 
     One forward pass of the blocks' Linears and attention, in the compute dtype ptq picks
-    here, plus the shared Hessians (upper blocks only, as accumulated) in float32, each
-    over the matmul rate measured for its dtype. Loading, saving and the GPTQ solves come
-    on top.
+    here, plus the shared Hessians (upper blocks only, as accumulated) to float32 accuracy,
+    each over the matmul rate measured for its dtype. A float32-accurate Hessian costs its
+    FLOPs at the float32 rate, or twice its FLOPs at the bf16 rate where ptq splits bf16
+    products in two GEMMs (ptq.devices.split_bf16_product): the cheaper of the two counts.
+    Loading, saving and the GPTQ solves come on top.
     """
     import transformers
 
     from ptq.calibration.observers import HessianObserver
-    from ptq.devices import compute_dtype_for
+    from ptq.devices import bf16_products_split_exactly, compute_dtype_for
 
     c = transformers.AutoConfig.from_pretrained(model)
     h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
@@ -136,7 +159,10 @@ def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float, fl
     tokens_layers = 2 * samples * seq * c.num_hidden_layers
     forward, second = tokens_layers * (linears + attention), tokens_layers * hessians
     dtype = compute_dtype_for("cpu", torch.bfloat16)
-    seconds = forward / (matmul_gflops(dtype) * 1e9) + second / (matmul_gflops(torch.float32) * 1e9)
+    hessian_rate = matmul_gflops(torch.float32)
+    if dtype == torch.bfloat16 and bf16_products_split_exactly("cpu"):
+        hessian_rate = max(hessian_rate, matmul_gflops(torch.bfloat16) / 2)
+    seconds = forward / (matmul_gflops(dtype) * 1e9) + second / (hessian_rate * 1e9)
     return forward / 1e12, second / 1e12, seconds
 
 
@@ -150,6 +176,8 @@ def main() -> None:
     parser.add_argument("--llmc-dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--ptq-options", default="{}",
                         help='JSON of ptq GPTQ/calibration options to try, e.g. \'{"scales": "original"}\'')
+    parser.add_argument("--no-fast-bf16", action="store_true",
+                        help="run the workers as on a CPU without fast bf16 matmuls (oneDNN off, AVX2 kernels)")
     parser.add_argument("--worker", choices=["ptq"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
@@ -160,22 +188,28 @@ def main() -> None:
         print(json.dumps(ptq_worker(args.model, args.ids, args.out, json.loads(args.ptq_options))))
         return
 
+    if args.no_fast_bf16:  # the floor and the perplexity runs here see the same CPU as the workers
+        os.environ[NO_FAST_BF16] = "1"
+        slow_bf16_if_asked()
     paths = prepare(args.work, args.samples, args.seq_len)
     rows = []
     for name in args.models:
         runs = [("ptq", "auto")] + ([("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else [])
         for tool, dtype in runs:
-            out = args.work / f"{name}-{tool}-{dtype}"
+            out = args.work / f"{name}-{tool}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
             python = sys.executable if tool == "ptq" else args.llmc_python
             print(f"running {tool} ({dtype}) on the {name} model ...", flush=True)
-            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options)
+            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options,
+                                args.no_fast_bf16)
             result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
             rows.append((name, tool, dtype, result))
             print(f"  {json.dumps(result)}", flush=True)
     print()
-    print(f"{'model':8} {'tool':14} {'dtype':9} {'wall s':>8} {'GPTQ s':>8} {'peak RSS MB':>12} {'ppl':>9}")
+    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>8} {'GPTQ s':>8} {'peak RSS MB':>12} {'ppl':>9}")
     for name, tool, dtype, r in rows:
-        print(f"{name:8} {tool:14} {dtype:9} {r['wall']:8.1f} {r['gptq']:8.1f} {r['peak_rss_mb']:12.0f} {r['ppl']:9.3f}")
+        shown = f"auto: {r['compute_dtype'].removeprefix('torch.')}" if tool == "ptq" else dtype
+        print(f"{name:8} {tool:14} {shown:15} {r['wall']:8.1f} {r['gptq']:8.1f} {r['peak_rss_mb']:12.0f} "
+              f"{r['ppl']:9.3f}")
     for name in args.models:
         forward, hessians, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
         print(f"floor ({name}): {forward:.2f} TFLOP forward + {hessians:.2f} TFLOP Hessians = {seconds:.1f} s here")

@@ -6,6 +6,7 @@ scripts/bench_gptq_vs_llmcompressor.py, which calls it.
 
 import argparse
 import json
+import os
 import resource
 import time
 
@@ -43,6 +44,8 @@ def main() -> None:
             solve["seconds"] += time.perf_counter() - start
 
     GPTQModifier.compress_modules = timed_compress
+    if os.environ.get("PTQ_BENCH_NO_FAST_BF16") == "1":  # the benchmark's --no-fast-bf16
+        torch.backends.mkldnn.enabled = False
     start = time.perf_counter()
     ids = torch.load(args.ids)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))

@@ -58,19 +58,30 @@ def test_bundled_model_learned_the_language(tokenizer, windows):
     assert perplexity < 100 < report["unigram_perplexity"] / 8
 
 
-# measured (perplexity increase, KL), RTN -> GPTQ, 128 x 512 calibration tokens:
-#   W4 float32: +0.608, 0.0130 -> +0.295, 0.0057 (0.49 of RTN's increase)
-#   W4 bf16:    +0.616, 0.0132 -> +0.365, 0.0060 (0.59; bf16 calibration activations cost a little)
-#   W3 bf16:    +2.122, 0.0601 -> +0.892, 0.0268 (0.42)
-# where ptq computes in bf16 (CPUs with fast bf16 matmuls) the W4 floor allows 0.65
-@pytest.mark.parametrize("scheme,dtype,floor", [("W4A16", torch.float32, 0.6), ("W4A16", None, 0.65),
-                                                 ("W3A16", None, 0.6)])
+# measured (perplexity increase, KL), 128 x 512 calibration tokens, RTN (min-max) -> GPTQ
+# (default: mse observer) [GPTQ with the min-max observer]:
+#   W4 float32: +0.608, 0.0130 -> +0.042, 0.00513 [+0.282, 0.00574]
+#   W4 bf16:    +0.616, 0.0132 -> +0.003, 0.00528 [+0.323, 0.00592]
+#   W3 bf16:    +2.122, 0.0601 -> +0.517, 0.0209  [+1.051, 0.0268]
+# A perplexity increase this small is within the noise of 64 windows (it can come out
+# below zero), so the floors are on KL as well, which is steady.
+@pytest.mark.parametrize("scheme,dtype,floor", [("W4A16", torch.float32, 0.3), ("W4A16", None, 0.3),
+                                                 ("W3A16", None, 0.5)])
 def test_gptq_beats_rtn(tokenizer, windows, scheme, dtype, floor):
     rtn, rtn_kl = quality({"steps": [{"rtn": {"scheme": scheme}}]}, windows, tokenizer, dtype=dtype)
     gptq, gptq_kl = quality({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": scheme}}]}, windows,
                             tokenizer, dtype=dtype)
-    assert 0 < gptq <= floor * rtn
+    assert gptq <= floor * rtn
     assert gptq_kl <= 0.5 * rtn_kl
+
+
+def test_mse_observer_beats_minmax_for_gptq(tokenizer, windows):
+    """The default observer was chosen on these numbers (W3: KL 0.0209 against 0.0268)."""
+    mse = quality({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": "W3A16"}}]}, windows, tokenizer)
+    minmax = quality({"calibration": CALIBRATION, "steps": [{"gptq": {"scheme": "W3A16", "observer": "minmax"}}]},
+                     windows, tokenizer)
+    assert mse[0] <= 0.7 * minmax[0]
+    assert mse[1] <= 0.85 * minmax[1]
 
 
 def test_awq_beats_rtn_with_outliers(tokenizer, windows):

@@ -1,4 +1,5 @@
-"""Round-to-nearest: min-max parameters per group, then round. Needs no calibration data."""
+"""Round-to-nearest: parameters per group from the weights alone, then round. Needs no
+calibration data."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from ptq.primitives import QuantizedWeight, compute_qparams, quantize
 from ptq.schemes import QuantArgs
 
 
-def rtn(weight: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> QuantizedWeight:
-    """Quantize weight [out, in] to args with min-max parameters per group."""
-    scale, zero = compute_qparams(weight, args, scale_dtype)  # [out, groups]
-    return QuantizedWeight(quantize(weight, scale, zero, args), scale, zero, None, args)
+def rtn(weight: Tensor, args: QuantArgs, scale_dtype: torch.dtype, observer: str = "minmax") -> QuantizedWeight:
+    """Quantize weight [out, in] to args with min-max (or "mse": error-minimising) parameters
+    per group."""
+    scale, zero = compute_qparams(weight, args, scale_dtype, observer)  # [out, groups]
+    return QuantizedWeight(quantize(weight, scale, zero, args), scale, zero, None, args, observer=observer)

@@ -45,14 +45,16 @@ def _args(data: dict | None) -> QuantArgs | None:
     return QuantArgs(**fields)
 
 
-def _group_schemes(qconfig: dict) -> list[tuple[list[str], Scheme, str | None]]:
+def _group_schemes(qconfig: dict) -> list[tuple[list[str], Scheme, str | None, str]]:
+    """Per config group: targets, scheme, activation order and weight observer (as recorded)."""
     schemes = []
     for name, group in qconfig["config_groups"].items():
         fmt = group.get("format") or qconfig.get("format")
         if fmt not in SUPPORTED_FORMATS:
             raise PtqError(f"config group '{name}' has format '{fmt}'; ptq reads {', '.join(SUPPORTED_FORMATS)}")
         scheme = Scheme(weights=_args(group["weights"]), input_activations=_args(group.get("input_activations")))
-        schemes.append((group["targets"], scheme, group["weights"].get("actorder")))
+        weights = group["weights"]
+        schemes.append((group["targets"], scheme, weights.get("actorder"), weights.get("observer") or "minmax"))
     return schemes
 
 
@@ -92,10 +94,11 @@ def load(
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or matches(name, module, ignore):
             continue
-        for targets, scheme, actorder in groups:
+        for targets, scheme, actorder, observer in groups:
             if matches(name, module, targets):
                 quant = _empty_quant_linear(module, scheme, name, tensors)
                 quant.actorder = actorder
+                quant.observer = observer
                 quant.backend = backend
                 model.set_submodule(name, quant)
                 break

@@ -33,16 +33,16 @@ def quantization_config(model: nn.Module) -> dict:
         raise PtqError("the model has no quantized Linear; run ptq.quantize on it before saving")
     groups: dict[tuple, list[str]] = {}
     for name, module in quantized.items():
-        key = (module.scheme, getattr(module, "actorder", None))
+        key = (module.scheme, getattr(module, "actorder", None), getattr(module, "observer", "minmax"))
         groups.setdefault(key, []).append(name)
     single = len(groups) == 1
     config_groups = {}
-    for i, ((scheme, actorder), names) in enumerate(groups.items()):
+    for i, ((scheme, actorder, observer), names) in enumerate(groups.items()):
         acts = scheme.input_activations
         config_groups[f"group_{i}"] = {
             "targets": ["Linear"] if single else [f"re:^{n.replace('.', '[.]')}$" for n in names],
             "format": scheme.format,
-            "weights": scheme.weights.to_config(actorder),
+            "weights": scheme.weights.to_config(actorder, observer),
             "input_activations": None if acts is None else acts.to_config(),
             "output_activations": None,
         }
