@@ -72,19 +72,16 @@ def gptq(
     dampening, the result is round-to-nearest with `fallback` saying why.
     """
     _check(W, H, args, block_size, damp, actorder, scales, observer)
-    H0 = H
-    H = H.detach().to(torch.float32, copy=True)  # [in, in]
-    dead = H.diagonal() == 0  # [in]: inputs that were always zero
-    H[dead, dead] = 1
+    diag = H.detach().diagonal().float()  # [in]
+    dead = diag == 0  # [in]: inputs that were always zero
     perm = None
     if actorder != "none":
-        perm = torch.argsort(H.diagonal(), descending=True, stable=True)  # [in]
-        H = H.index_select(0, perm).index_select(1, perm)
-    importance = H.diagonal().clone()  # [in], in processing order
-    Hinv, used_damp, reason = _inverse_cholesky(H, damp)  # [in, in] upper
-    del H
+        perm = torch.argsort(diag.masked_fill(dead, 1), descending=True, stable=True)  # [in]
+    order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
+    importance = diag.masked_fill(dead, 1)[order]  # [in], in processing order
+    Hinv, used_damp, reason = _inverse_cholesky(_reversed_copy(H, order, dead), damp)  # [in, in] upper
     if Hinv is None:
-        return _fallback(W, H0, dead, args, scale_dtype, used_damp, reason, observer)
+        return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
 
     Wt = _transposed_copy(W, perm)  # [in, out], row p = column perm[p]
     Wt[dead if perm is None else dead[perm]] = 0
@@ -150,17 +147,28 @@ def _damp_schedule(damp: float) -> list[float]:
     return steps
 
 
-def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
+def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
+    """J Hp J as a new float32 matrix: H [in, in] with rows and columns in processing order
+    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1. One gather,
+    so that no intermediate copy of H is made."""
+    reverse = order.flip(0)  # [in]
+    Hr = H.detach()[reverse.unsqueeze(1), reverse.unsqueeze(0)].float()  # [in, in]
+    Hr.diagonal().masked_fill_(dead[reverse], 1)
+    return Hr
+
+
+def _inverse_cholesky(Hr: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
     """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
 
-    Returns (Hinv, λ, None), or (None, λ, reason) when no λ works. Rather than invert H
-    and factor the inverse, it factors the reversed matrix J H J = L Lᵀ (J reverses the
-    order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic,
-    and H⁻¹ itself is never formed.
+    Hr is the reversed matrix J H J (J reverses the order; see _reversed_copy), a copy
+    this function may change. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
+    works. Rather than invert H and factor the inverse, it factors J H J = L Lᵀ; then
+    H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and H⁻¹
+    itself is never formed.
     """
-    if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
+    if not bool(torch.isfinite(Hr.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
-    H = H.flip((0, 1))  # [in, in] J H J, a copy
+    H = Hr
     diag = H.diagonal()  # [in], a view
     base = diag.clone()
     mean = base.mean()
@@ -171,7 +179,10 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str
         L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
         if int(info) != 0:
             continue
-        Hinv = _inverse_lower(L).flip((0, 1))  # [in, in] upper
+        Linv = _inverse_lower(L)  # [in, in] lower
+        del L
+        Hinv = Linv.flip((0, 1))  # [in, in] upper
+        del Linv
         if bool(torch.isfinite(Hinv.sum())):
             return Hinv, lam, None
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"

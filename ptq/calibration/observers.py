@@ -37,12 +37,15 @@ class HessianObserver(Observer):
     def __init__(self) -> None:
         self.sum: Tensor | None = None
         self.tokens = 0
+        self._value: Tensor | None = None
 
     def _edges(self, n: int) -> list[int]:
         blocks = max(1, n // self.BLOCK)
         return [n * b // blocks for b in range(blocks + 1)]
 
     def update(self, x: Tensor) -> None:
+        if self._value is not None:
+            raise RuntimeError("this Hessian was read already; use a new observer for more batches")
         flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
         split = _split_products(flat)
         if not split:
@@ -61,12 +64,16 @@ class HessianObserver(Observer):
 
     @property
     def value(self) -> Tensor:
-        assert self.sum is not None, "no calibration batch reached this Linear"
-        H = self.sum * (2.0 / self.tokens)
-        edges = self._edges(H.shape[0])
-        for a, b in zip(edges[1:-1], edges[2:]):
-            H[a:b, :a] = H[:a, a:b].t()
-        return H
+        """H, made from the running sum in place the first time it is read (no second
+        [in, in] matrix: they are large); the observer takes no batches after that."""
+        if self._value is None:
+            assert self.sum is not None, "no calibration batch reached this Linear"
+            H = self.sum.mul_(2.0 / self.tokens)
+            edges = self._edges(H.shape[0])
+            for a, b in zip(edges[1:-1], edges[2:]):
+                H[a:b, :a] = H[:a, a:b].t()
+            self._value, self.sum = H, None
+        return self._value
 
 
 def _split_products(x: Tensor) -> bool:
