@@ -264,6 +264,10 @@ class _Grid:
         self.scale_f = torch.ones(groups, width, device=device)  # [groups, out] float32 copy
         asym = args.type == "int" and not args.symmetric
         self.zero = torch.zeros(groups, width, device=device) if asym else None  # [groups, out]
+        # per-group rows as views, made once: the column loop indexes Python lists, not tensors
+        self._scale = self.scale.unbind(0)
+        self._scale_f = self.scale_f.unbind(0)
+        self._zero = None if self.zero is None else self.zero.unbind(0)
 
     def fit_(self, g: int | slice, x: Tensor, positions: Tensor) -> None:
         """Parameters of group(s) g from their columns x [..., size, out] at positions [..., size]."""
@@ -282,19 +286,19 @@ class _Grid:
 
     def round_column(self, w: Tensor, g: int, q_out: Tensor) -> Tensor:
         """Quantize column w [out] of group g into q_out; return it dequantized, as `dequantize`."""
-        t = torch.div(w, self.scale_f[g])  # [out]
+        t = torch.div(w, self._scale_f[g])  # [out]
         if self.args.type == "float":
             q = t.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             q_out.copy_(q)
-            return q.to(self.scale_dtype).mul_(self.scale[g])
-        zero = self.zero[g] if self.zero is not None else None
+            return q.to(self.scale_dtype).mul_(self._scale[g])
+        zero = self._zero[g] if self._zero is not None else None
         if zero is not None:
             t.add_(zero)
         t.round_().clamp_(self.args.qmin, self.args.qmax)
         q_out.copy_(t)
         if zero is not None:
             t.sub_(zero)
-        return t.to(self.scale_dtype).mul_(self.scale[g])
+        return t.to(self.scale_dtype).mul_(self._scale[g])
 
 
 def _current(
@@ -335,20 +339,23 @@ def _solve(
     else:
         first = {p: g for g, p in enumerate(members[:, 0].tolist())}
     group_of = group.tolist()
+    W_rows, Q_rows = Wt.unbind(0), Qt.unbind(0)  # [out] views, made once
 
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         Hinv1 = Hinv[i1:i2, i1:i2]  # [block, block]
+        H_rows, pivots = Hinv1.unbind(0), Hinv1.diagonal().tolist()
         E = Err1[: i2 - i1].zero_()  # [block, out]
+        E_rows = E.unbind(0)
         for i in range(i2 - i1):
             p = i1 + i
             g = first.get(p)
             if g is not None:
                 grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]), members_dev[g])
-            w = Wt[p]  # [out]
-            q = grid.round_column(w, group_of[p], Qt[p])  # [out], dequantized
-            err1 = torch.sub(w, q, out=E[i]).div_(Hinv1[i, i])
-            Wt[p + 1 : i2].addr_(Hinv1[i, i + 1 :], err1, alpha=-1)
+            w = W_rows[p]  # [out]
+            q = grid.round_column(w, group_of[p], Q_rows[p])  # [out], dequantized
+            err1 = torch.sub(w, q, out=E_rows[i]).div_(pivots[i])
+            Wt[p + 1 : i2].addr_(H_rows[i][i + 1 :], err1, alpha=-1)
         loss += E.square().sum() / 2
         Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
     return Qt, loss

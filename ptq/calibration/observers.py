@@ -23,7 +23,7 @@ class HessianObserver(Observer):
     """H = 2/N · Σ x xᵀ over all N tokens seen: float32 [in, in].
 
     H is symmetric: the features are split into blocks of about BLOCK and only the blocks
-    on and above the diagonal are accumulated (with 5 blocks, 15 of 25: 40% fewer FLOPs);
+    on and above the diagonal are accumulated (with 11 blocks, 66 of 121: 45% fewer FLOPs);
     the others are mirrored when H is read.
 
     bf16 inputs on a CPU with fast bf16 GEMMs skip the float32 GEMM: each block product is
@@ -32,7 +32,7 @@ class HessianObserver(Observer):
     is always float32.
     """
 
-    BLOCK = 512
+    BLOCK = 256
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
