@@ -2,8 +2,8 @@
 
 On an accelerator, the model's own 16-bit dtype. On a CPU it depends on the CPU: with
 AVX512-BF16 or AMX, bf16 matmuls run several times faster than float32 ones; without
-them (AVX2 only) bf16 runs about ten times slower. So ptq measures once per process
-(a few milliseconds) instead of guessing from flags.
+them (AVX2 only) bf16 runs several times slower. So ptq measures once per process
+(a few tens of milliseconds) instead of guessing from flags.
 """
 
 from __future__ import annotations

@@ -88,6 +88,11 @@ def qparams_from_minmax(
     return scale, zero.to(torch.int8)
 
 
+def observer_used(observer: str, args: QuantArgs) -> str:
+    """The observer that really sets args' scales: float (fp8) schemes are always min-max."""
+    return observer if args.type == "int" else "minmax"
+
+
 def qparams_mse(
     x: Tensor,
     args: QuantArgs,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ptq.primitives import FP8_DTYPE, compute_qparams, dequantize, fake_quantize, qparams_mse, quantize
+from ptq.algorithms.rtn import rtn
 from ptq.schemes import PRESETS, QuantArgs
 
 
@@ -130,3 +131,9 @@ def test_mse_observer_leaves_fp8_to_minmax():
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(7))
     for a, b in zip(compute_qparams(w, args, torch.float32, observer="mse"), compute_qparams(w, args, torch.float32)):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_fp8_records_the_observer_it_really_used():
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(8))
+    assert rtn(w, PRESETS["FP8"].weights, torch.bfloat16, observer="mse").observer == "minmax"
+    assert rtn(w, PRESETS["W4A16"].weights, torch.bfloat16, observer="mse").observer == "mse"

@@ -25,7 +25,16 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms.rtn import rtn
-from ptq.primitives import FP8_DTYPE, FP8_MAX, OBSERVERS, QuantizedWeight, num_groups, qparams_from_minmax, qparams_mse
+from ptq.primitives import (
+    FP8_DTYPE,
+    FP8_MAX,
+    OBSERVERS,
+    QuantizedWeight,
+    num_groups,
+    observer_used,
+    qparams_from_minmax,
+    qparams_mse,
+)
 from ptq.schemes import QuantArgs
 
 ACTORDERS = ("none", "static", "group")
@@ -104,7 +113,7 @@ def gptq(
         g_idx=g_idx,
         args=args,
         actorder=None if perm is None else ("group" if g_idx is not None else "static"),
-        observer=observer,
+        observer=observer_used(observer, args),
     )
     return GPTQResult(weight, used_damp, None, float(loss))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ptq.primitives import QuantizedWeight, compute_qparams, quantize
+from ptq.primitives import QuantizedWeight, compute_qparams, observer_used, quantize
 from ptq.schemes import QuantArgs
 
 
@@ -14,4 +14,5 @@ def rtn(weight: Tensor, args: QuantArgs, scale_dtype: torch.dtype, observer: str
     """Quantize weight [out, in] to args with min-max (or "mse": error-minimising) parameters
     per group."""
     scale, zero = compute_qparams(weight, args, scale_dtype, observer)  # [out, groups]
-    return QuantizedWeight(quantize(weight, scale, zero, args), scale, zero, None, args, observer=observer)
+    qw = quantize(weight, scale, zero, args)
+    return QuantizedWeight(qw, scale, zero, None, args, observer=observer_used(observer, args))
