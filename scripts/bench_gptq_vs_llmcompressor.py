@@ -18,9 +18,10 @@ then picks float32; llm-compressor computes in the checkpoint's bf16.
 Models: the bundled trained model (quality: perplexity of each result on the held-out
 text) and a random-initialised Llama (hidden 1024, intermediate 2816, 4 layers, vocab
 32000: speed). The table shows wall time end to end (load, calibrate, quantize, save),
-the time inside the GPTQ solves, peak RSS, and perplexity; then the floor estimate: the
-FLOPs of one forward pass of the blocks' Linears (in the compute dtype ptq picks here)
-plus the Hessians (to float32 accuracy), over the matmul GFLOP/s measured here.
+the time inside the GPTQ solves, peak RSS (medians and ranges over --repeats runs), and
+perplexity; then the floor estimate: the FLOPs of one forward pass of the blocks'
+Linears (in the compute dtype ptq picks here) plus the Hessians (to float32 accuracy),
+over the matmul GFLOP/s measured here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--llmc-dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--ptq-options", default="{}",
                         help='JSON of ptq GPTQ/calibration options to try, e.g. \'{"scales": "original"}\'')
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each tool per model: the table shows medians and ranges")
     parser.add_argument("--no-fast-bf16", action="store_true",
                         help="run the workers as on a CPU without fast bf16 matmuls (oneDNN off, AVX2 kernels)")
     parser.add_argument("--worker", choices=["ptq"], help=argparse.SUPPRESS)
@@ -195,21 +199,28 @@ def main() -> None:
     rows = []
     for name in args.models:
         runs = [("ptq", "auto")] + ([("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else [])
-        for tool, dtype in runs:
-            out = args.work / f"{name}-{tool}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
-            python = sys.executable if tool == "ptq" else args.llmc_python
-            print(f"running {tool} ({dtype}) on the {name} model ...", flush=True)
-            result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options,
-                                args.no_fast_bf16)
-            result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
-            rows.append((name, tool, dtype, result))
-            print(f"  {json.dumps(result)}", flush=True)
+        results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
+        for repeat in range(args.repeats):  # the tools take turns, so drift in the machine hits all alike
+            for tool, dtype in runs:
+                out = args.work / f"{name}-{tool}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
+                python = sys.executable if tool == "ptq" else args.llmc_python
+                print(f"running {tool} ({dtype}) on the {name} model ({repeat + 1}/{args.repeats}) ...", flush=True)
+                result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options,
+                                    args.no_fast_bf16)
+                if repeat == args.repeats - 1:
+                    result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
+                results[(tool, dtype)].append(result)
+                print(f"  {json.dumps(result)}", flush=True)
+        rows += [(name, tool, dtype, runs_of) for (tool, dtype), runs_of in results.items()]
     print()
-    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>8} {'GPTQ s':>8} {'peak RSS MB':>12} {'ppl':>9}")
-    for name, tool, dtype, r in rows:
-        shown = f"auto: {r['compute_dtype'].removeprefix('torch.')}" if tool == "ptq" else dtype
-        print(f"{name:8} {tool:14} {shown:15} {r['wall']:8.1f} {r['gptq']:8.1f} {r['peak_rss_mb']:12.0f} "
-              f"{r['ppl']:9.3f}")
+    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>8} {'(min-max)':>12} {'GPTQ s':>7} "
+          f"{'peak RSS MB':>12} {'(min-max)':>12} {'ppl':>8}")
+    for name, tool, dtype, runs_of in rows:
+        shown = f"auto: {runs_of[0]['compute_dtype'].removeprefix('torch.')}" if tool == "ptq" else dtype
+        wall, gptq, rss = ([r[key] for r in runs_of] for key in ("wall", "gptq", "peak_rss_mb"))
+        print(f"{name:8} {tool:14} {shown:15} {statistics.median(wall):8.1f} {min(wall):5.1f}-{max(wall):<6.1f} "
+              f"{statistics.median(gptq):7.1f} {statistics.median(rss):12.0f} {min(rss):5.0f}-{max(rss):<6.0f} "
+              f"{runs_of[-1]['ppl']:8.3f}")
     for name in args.models:
         forward, hessians, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
         print(f"floor ({name}): {forward:.2f} TFLOP forward + {hessians:.2f} TFLOP Hessians = {seconds:.1f} s here")
