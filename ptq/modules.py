@@ -127,8 +127,12 @@ class QuantLinear(nn.Module):
         acts = self.scheme.input_activations
         if acts is not None:
             x = self._fake_quantize_input(x, acts)
-        weight = self._cached if self._cached is not None else self.dequantized_weight()
-        weight = weight.to(x.dtype)
+        if self._cached is not None:
+            if self._cached.dtype != x.dtype:  # converted once per cached_weight() scope
+                self._cached = self._cached.to(x.dtype)
+            weight = self._cached
+        else:
+            weight = self.dequantized_weight().to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 

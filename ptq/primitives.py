@@ -113,25 +113,24 @@ def qparams_mse(
     lo, hi = x.amin(dim=-1), x.amax(dim=-1)  # [...]
     if args.type == "float":
         return qparams_from_minmax(lo, hi, args, scale_dtype)
-    best: dict[str, Tensor | None] = {}
 
-    def consider(shrink: Tensor) -> None:  # shrink [...]: one factor per group
+    def fit(shrink: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # shrink [...]: per group
         scale, zero = qparams_from_minmax(lo * shrink, hi * shrink, args, scale_dtype)
-        error = _rounding_error(x, scale, zero, args, importance)  # [...]
-        if not best:
-            best.update(error=error, shrink=shrink, scale=scale, zero=zero)
-            return
-        better = error < best["error"]
-        for key, value in (("error", error), ("shrink", shrink), ("scale", scale), ("zero", zero)):
-            if value is not None:
-                best[key] = torch.where(better, value, best[key])
+        return _rounding_error(x, scale, zero, args, importance), shrink, scale, zero
 
-    for shrink in MSE_COARSE:
-        consider(torch.full_like(lo, shrink))
-    center = best["shrink"]
+    best = fit(torch.full_like(lo, MSE_COARSE[0]))
+    for shrink in MSE_COARSE[1:]:
+        best = _lower_error(best, fit(torch.full_like(lo, shrink)))
+    center = best[1]
     for step in (MSE_FINE, -MSE_FINE):
-        consider((center + step).clamp(max=1.0))
-    return best["scale"], best["zero"]
+        best = _lower_error(best, fit((center + step).clamp(max=1.0)))
+    return best[2], best[3]
+
+
+def _lower_error(best: tuple, candidate: tuple) -> tuple:
+    """Per group, the candidate's (error, ...) where its error is strictly lower, else best's."""
+    take = candidate[0] < best[0]
+    return tuple(None if b is None else torch.where(take, c, b) for b, c in zip(best, candidate))
 
 
 def _rounding_error(

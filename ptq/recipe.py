@@ -88,11 +88,14 @@ def register_step(name: str):
     return register
 
 
+ObserverName = Literal["minmax", "mse"]  # group ranges: min-max, or error-minimising
+
+
 @register_step("rtn")
 class RTNStep(WeightStep):
     """Round to nearest: no calibration statistics."""
 
-    observer: Literal["minmax", "mse"] = "minmax"  # group ranges: min-max, or error-minimising
+    observer: ObserverName = "minmax"
 
 
 @register_step("gptq")
@@ -103,7 +106,7 @@ class GPTQStep(WeightStep):
     damp: float = Field(default=0.01, gt=0, lt=1)
     actorder: Literal["none", "static", "group"] = "static"
     scales: Literal["updated", "original"] = "updated"
-    observer: Literal["minmax", "mse"] = "mse"  # group ranges: min-max, or error-minimising
+    observer: ObserverName = "mse"
 
 
 @register_step("smoothquant")

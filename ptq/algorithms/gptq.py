@@ -83,11 +83,12 @@ def gptq(
     _check(W, H, args, block_size, damp, actorder, scales, observer)
     diag = H.detach().diagonal().float()  # [in]
     dead = diag == 0  # [in]: inputs that were always zero
+    diag = diag.masked_fill(dead, 1)  # dead inputs are pinned to 1, as in the factorised copy
     perm = None
     if actorder != "none":
-        perm = torch.argsort(diag.masked_fill(dead, 1), descending=True, stable=True)  # [in]
+        perm = torch.argsort(diag, descending=True, stable=True)  # [in]
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
-    importance = diag.masked_fill(dead, 1)[order]  # [in], in processing order
+    importance = diag[order]  # [in], in processing order
     Hinv, used_damp, reason = _inverse_cholesky(_reversed_copy(H, order, dead), damp)  # [in, in] upper
     if Hinv is None:
         return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
@@ -166,18 +167,17 @@ def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
     return Hr
 
 
-def _inverse_cholesky(Hr: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
+def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
     """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
 
-    Hr is the reversed matrix J H J (J reverses the order; see _reversed_copy), a copy
-    this function may change. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
+    H is the reversed matrix J H J (J reverses the order; see _reversed_copy), a copy this
+    function may change. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
     works. Rather than invert H and factor the inverse, it factors J H J = L Lᵀ; then
     H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and H⁻¹
     itself is never formed.
     """
-    if not bool(torch.isfinite(Hr.sum())):  # a NaN or inf anywhere makes the sum one
+    if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
-    H = Hr
     diag = H.diagonal()  # [in], a view
     base = diag.clone()
     mean = base.mean()

@@ -118,20 +118,18 @@ def calibration_batches(
     """
     if isinstance(data, Tensor):
         return data.long().reshape(-1, data.shape[-1])
-    if tokenizer is None and (isinstance(data, str) or hasattr(data, "column_names")):
-        raise PtqError("calibration text needs a tokenizer: pass tokenizer=..., or give token-id tensors as data")
-    if isinstance(data, str):
-        return sample_windows(token_stream(tokenizer, load_texts(data, text_column=text_column)), samples, seq_len, seed)
-    if hasattr(data, "column_names"):
-        data = dataset_texts(data, text_column)
-    data = list(data)
-    if data and isinstance(data[0], Tensor):
-        rows = [t.long().reshape(-1, t.shape[-1]) for t in data]
-        if len({r.shape[-1] for r in rows}) != 1:
-            raise PtqError("token-id tensors given as calibration data must all have the same length")
-        return torch.cat(rows)
-    if not all(isinstance(t, str) for t in data):
-        raise PtqError("calibration data must be texts, a datasets.Dataset, or token-id tensors")
+    if not isinstance(data, str):  # a source name is read below, once a tokenizer is known
+        if hasattr(data, "column_names"):
+            data = dataset_texts(data, text_column)
+        data = list(data)
+        if data and isinstance(data[0], Tensor):
+            rows = [t.long().reshape(-1, t.shape[-1]) for t in data]
+            if len({r.shape[-1] for r in rows}) != 1:
+                raise PtqError("token-id tensors given as calibration data must all have the same length")
+            return torch.cat(rows)
+        if not all(isinstance(t, str) for t in data):
+            raise PtqError("calibration data must be texts, a datasets.Dataset, or token-id tensors")
     if tokenizer is None:
         raise PtqError("calibration text needs a tokenizer: pass tokenizer=..., or give token-id tensors as data")
-    return sample_windows(token_stream(tokenizer, data), samples, seq_len, seed)
+    texts = load_texts(data, text_column=text_column) if isinstance(data, str) else data
+    return sample_windows(token_stream(tokenizer, texts), samples, seq_len, seed)
