@@ -5,7 +5,7 @@ pairs inside a block can be smoothed (SmoothQuant, AWQ). Models of families not 
 table still work for weight quantization: their blocks are found as the model's largest
 ModuleList of same-class modules. (Linears that read the same input are detected at run
 time by the calibration runner, so they need no entry.) Smoothing an unknown family needs
-mappings from the recipe (`mappings_from_patterns`).
+mappings from the recipe (`mappings_from_patterns`; `check_mappings` checks them up front).
 
 One generic engine (`resolve_mappings`) turns a table's block-relative names into the
 modules of a concrete block, and says in words why a mapping cannot be used there (a
@@ -23,7 +23,7 @@ import transformers
 from torch import nn
 
 from ptq.errors import PtqError
-from ptq.targets import matches
+from ptq.targets import matches, pattern_problem
 
 
 @dataclass(frozen=True)
@@ -167,17 +167,38 @@ def smoothing_mappings(model: nn.Module) -> tuple[SmoothingMapping, ...]:
 
 
 def block_mappings(
-    model: nn.Module, block: nn.Module, patterns: Sequence[Mapping] | None = None
+    model: nn.Module,
+    block: nn.Module,
+    patterns: Sequence[Mapping] | None = None,
+    *,
+    strict: bool = False,
+    what: str = "smoothing",
 ) -> tuple[list[ResolvedMapping], list[str]]:
     """The usable mappings of one block and the reasons others were skipped.
 
-    With patterns (from a recipe) those are used; otherwise the family's table.
+    With patterns (from a recipe) those are used (strict: each must name modules of this
+    block, see mappings_from_patterns); otherwise the family's table.
     """
     if patterns:
-        mappings = mappings_from_patterns(block, patterns)
+        mappings = mappings_from_patterns(block, patterns, strict=strict, what=what)
     else:
         mappings = smoothing_mappings(model)
     return resolve_mappings(block, mappings)
+
+
+def check_mappings(model: nn.Module, patterns: Sequence[Mapping] | None, what: str = "smoothing") -> None:
+    """PtqError unless a smoothing step (`what`: its name) can find its pairs in every block.
+
+    patterns: the step's `mappings` from the recipe, each of which must name modules of
+    every decoder block; None: the family's table, which must exist. Meant to be called
+    before any work starts; it reads module names only.
+    """
+    if not patterns:
+        smoothing_mappings(model)
+        return
+    _, blocks = find_blocks(model)
+    for block in blocks:
+        mappings_from_patterns(block, patterns, strict=True, what=what)
 
 
 def resolve_mappings(
@@ -280,7 +301,9 @@ def _output_scales_with_weight(norm: nn.Module, channels: int) -> bool:
 _PATTERN_KEYS = ("smooth", "balance", "inspect")
 
 
-def mappings_from_patterns(block: nn.Module, patterns: Sequence[Mapping]) -> tuple[SmoothingMapping, ...]:
+def mappings_from_patterns(
+    block: nn.Module, patterns: Sequence[Mapping], *, strict: bool = False, what: str = "smoothing"
+) -> tuple[SmoothingMapping, ...]:
     """Mappings of one block from recipe patterns, in compressed-tensors target syntax.
 
     Each pattern is {smooth: P, balance: [P, ...], inspect: P (optional)} where P is a
@@ -288,56 +311,76 @@ def mappings_from_patterns(block: nn.Module, patterns: Sequence[Mapping]) -> tup
     smooth must match one module; each balance pattern adds the Linears it matches; inspect
     defaults to the single balance Linear, or the balance Linears' lowest common parent
     ("" for the block itself).
-    A pattern whose smooth op is not in this block yields no mapping (it may match others).
+    A pattern whose smooth op is not in this block yields no mapping (it may match others);
+    strict (the recipe's own mappings): PtqError instead. `what` names the step in messages.
     """
     named = [(name, module) for name, module in block.named_modules() if name]
     found: list[SmoothingMapping] = []
     for i, pattern in enumerate(patterns):
-        _check_pattern_keys(i, pattern)
+        _check_pattern(i, pattern, what)
+        where = f"{what} mapping {i} ({_cut(pattern['smooth'])} -> {_cut(', '.join(pattern['balance']))})"
         smooth = [name for name, module in named if matches(name, module, [pattern["smooth"]])]
+        if not smooth and strict:
+            wanted = pattern["smooth"]
+            module = f"module matching '{_cut(wanted)}'" if wanted.startswith("re:") else f"module {_cut(wanted)}"
+            raise PtqError(
+                f"{where}: {type(block).__name__} has no {module}; check the names (print(model) shows them)"
+            )
         if not smooth:
             continue
         if len(smooth) > 1:
             raise PtqError(
-                f"smoothing mapping {i}: smooth pattern {pattern['smooth']!r} matches "
+                f"{where}: smooth pattern {_cut(pattern['smooth'])!r} matches "
                 f"{len(smooth)} modules in a block ({', '.join(smooth[:4])}); make it match one"
             )
-        balance = _balance_names(i, pattern["balance"], named)
-        inspect = _inspect_name(i, pattern.get("inspect"), balance, named)
+        balance = _balance_names(where, block, pattern["balance"], named)
+        inspect = _inspect_name(where, pattern.get("inspect"), balance, named)
         found.append(SmoothingMapping(smooth[0], balance, inspect))
     return tuple(found)
 
 
-def _check_pattern_keys(i: int, pattern: Mapping) -> None:
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_pattern(i: int, pattern: Mapping, what: str) -> None:
     if not isinstance(pattern, Mapping):
-        raise PtqError(f"smoothing mapping {i} must be a mapping like {MAPPINGS_EXAMPLE}")
+        raise PtqError(f"{what} mapping {i} must be a mapping like {MAPPINGS_EXAMPLE}")
     unknown = [key for key in pattern if key not in _PATTERN_KEYS]
     if unknown:
         raise PtqError(
-            f"smoothing mapping {i}: unknown key '{unknown[0]}'; allowed keys: {', '.join(_PATTERN_KEYS)}"
+            f"{what} mapping {i}: unknown key '{_cut(str(unknown[0]))}'; allowed keys: {', '.join(_PATTERN_KEYS)}"
         )
     if "smooth" not in pattern or "balance" not in pattern:
-        raise PtqError(f"smoothing mapping {i} needs 'smooth' and 'balance', e.g. {MAPPINGS_EXAMPLE}")
-    if isinstance(pattern["balance"], str) or not isinstance(pattern["balance"], Sequence):
-        raise PtqError(f"smoothing mapping {i}: 'balance' must be a list of patterns")
+        raise PtqError(f"{what} mapping {i} needs 'smooth' and 'balance', e.g. {MAPPINGS_EXAMPLE}")
+    balance = pattern["balance"]
+    if isinstance(balance, str) or not isinstance(balance, Sequence) or not balance:
+        raise PtqError(f"{what} mapping {i}: 'balance' must be a list of patterns, at least one")
+    texts = [pattern["smooth"], *balance, pattern.get("inspect") or ""]
+    if not all(isinstance(text, str) for text in texts):
+        raise PtqError(f"{what} mapping {i}: smooth, balance and inspect are module names or 're:' patterns (text)")
+    problems = [problem for problem in map(pattern_problem, texts) if problem]
+    if problems:
+        raise PtqError(f"{what} mapping {i}: {problems[0]}")
 
 
 Named = list[tuple[str, nn.Module]]
 
 
-def _balance_names(i: int, patterns: Sequence[str], named: Named) -> tuple[str, ...]:
+def _balance_names(where: str, block: nn.Module, patterns: Sequence[str], named: Named) -> tuple[str, ...]:
     chosen: list[str] = []
     for pattern in patterns:
         hits = [n for n, m in named if isinstance(m, nn.Linear) and matches(n, m, [pattern])]
         if not hits:
             raise PtqError(
-                f"smoothing mapping {i}: balance pattern {pattern!r} matches no Linear in the block"
+                f"{where}: balance pattern {_cut(pattern)!r} matches no Linear in {type(block).__name__}; "
+                "check the names (print(model) shows them)"
             )
         chosen += [name for name in hits if name not in chosen]
     return tuple(chosen)
 
 
-def _inspect_name(i: int, pattern: str | None, balance: tuple[str, ...], named: Named) -> str:
+def _inspect_name(where: str, pattern: str | None, balance: tuple[str, ...], named: Named) -> str:
     if pattern is None:
         if len(balance) == 1:
             return balance[0]
@@ -354,7 +397,7 @@ def _inspect_name(i: int, pattern: str | None, balance: tuple[str, ...], named: 
     hits = [name for name, module in named if matches(name, module, [pattern])]
     if len(hits) != 1:
         raise PtqError(
-            f"smoothing mapping {i}: inspect pattern {pattern!r} must match one module in a block, "
+            f"{where}: inspect pattern {_cut(pattern)!r} must match one module in a block, "
             f"matched {len(hits)}"
         )
     return hits[0]

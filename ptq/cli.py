@@ -1,18 +1,23 @@
 """The `ptq` command line: a thin layer over the library that parses, prints and exits.
 
-    ptq quantize --recipe recipes/w4a16-gptq.yaml [--model PATH_OR_HUB_NAME] [--output DIR]
+    ptq quantize --recipe recipes/w4a16-gptq.yaml [--model PATH_OR_HUB_NAME] [--output DIR] [--resume]
     ptq eval MODEL [--reference MODEL]
     ptq bench
 
-A user mistake prints one line `ptq: error: ...` and exits with status 2.
+A user mistake prints one line `ptq: error: ...` and exits with status 2; every input is
+checked before the work starts. Ctrl-C (or SIGTERM) prints one line and exits with 130;
+`ptq quantize` then keeps the blocks it finished for `--resume`.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import shlex
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 
 import torch
@@ -20,16 +25,26 @@ import torch
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are PtqErrors: one line, no usage block."""
+
+    def error(self, message: str):
+        raise PtqError(f"{message} (see '{self.prog} --help')")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ptq", description="Post-training quantization for LLMs.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="ptq", description="Post-training quantization for LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     q = commands.add_parser("quantize", help="quantize a model with a recipe and write a checkpoint")
     q.add_argument("--recipe", required=True, help="a YAML recipe (see recipes/) or a preset name such as W4A16")
     q.add_argument("--model", default=None, help="model folder or Hub name (default: the bundled tiny Llama)")
     q.add_argument("--output", default=None, help="output folder (default: ./<model>-<recipe>)")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing output folder that ptq wrote")
+    q.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
     q.add_argument("--data", default=None, help="calibration text: builtin, a .txt/.jsonl file or a dataset name (overrides the recipe)")
     _add_eval_options(q)
     q.add_argument("--no-eval", action="store_true", help="skip the before/after quality evaluation")
@@ -41,62 +56,172 @@ def _parser() -> argparse.ArgumentParser:
     _add_eval_options(e)
 
     b = commands.add_parser("bench", help="benchmark the bundled Triton kernels against bf16 matmul (needs a GPU)")
-    b.add_argument("--m", type=int, nargs="+", default=None, help="token counts M to benchmark")
+    b.add_argument("--m", type=_at_least(1), nargs="+", default=None, help="token counts M to benchmark")
     return parser
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text[:40]}' is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small: give at least {low}")
+        return value
+
+    return parse
 
 
 def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     parser.add_argument("--eval-text", default="builtin-eval", help="held-out text: builtin-eval or a .txt/.jsonl file")
-    parser.add_argument("--eval-seq-len", type=int, default=512, help="tokens per evaluation window")
-    parser.add_argument("--eval-windows", type=int, default=64, help="at most this many windows")
+    parser.add_argument("--eval-seq-len", type=_at_least(2), default=512, help="tokens per evaluation window")
+    parser.add_argument("--eval-windows", type=_at_least(1), default=64, help="at most this many windows")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model folder's own Python code (auto_map); only for models you trust")
 
 
 def _device(name: str | None) -> torch.device:
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The compute device asked for, checked to exist here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PtqError(f"--device '{name[:40]}' is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "meta":
+        raise PtqError("--device meta holds no data and cannot compute; use cpu or cuda")
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", lambda: False)()
+    if not available:
+        raise PtqError(f"--device {name}: this machine has no {device.type} device; use cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise PtqError(f"--device {name}: this machine has {count} {device.type} device(s), numbered from 0")
+    return device
+
+
+def _report_path(name: str) -> Path:
+    """--report-json's file, checked before any work: a writable file path, not a folder."""
+    path = Path(name)
+    if path.is_dir():
+        raise PtqError(f"--report-json '{name}' is a folder; give a file path such as report.json")
+    if not path.parent.resolve().is_dir():
+        raise PtqError(f"--report-json '{name}': folder '{path.parent}' does not exist; create it first")
+    if not os.access(path.parent.resolve(), os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PtqError(f"--report-json '{name}': permission denied; choose another path")
+    return path
+
+
+def _check_windows(model, windows: torch.Tensor) -> None:
+    """Evaluation windows the model can read: ids inside its vocabulary, length within its context."""
+    config = model.config
+    longest = getattr(config, "max_position_embeddings", None)
+    if longest and windows.shape[1] > longest:
+        raise PtqError(f"--eval-seq-len {windows.shape[1]} is longer than the model's context of {longest} "
+                       "tokens; give a smaller --eval-seq-len")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and int(windows.max()) >= vocab:
+        raise PtqError(f"the evaluation text has token id {int(windows.max())}, outside the model's vocabulary "
+                       f"of {vocab}: the tokenizer does not belong to this model")
+
+
+def _source_signature(folder: Path | None) -> dict:
+    """Sizes and times of the source model's files, so that a resume notices a changed model."""
+    if folder is None:
+        return {}
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(folder.iterdir()) if p.suffix in (".json", ".safetensors", ".bin")}
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     import ptq
+    from ptq.calibration.data import load_texts
+    from ptq.calibration.resume import BlockStore
+    from ptq.checkpoint.output import check_output, claim_output, local_folder
     from ptq.models import resolve_model_path
-    from ptq.pipeline import cast_parameters_, select_linears
-    from ptq.report import peak_memory_bytes, size_of, summary_table
+    from ptq.pipeline import uses_calibration_data
 
     recipe = ptq.load_recipe(args.recipe)
     if args.data is not None:
         recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"dataset": args.data})})
+    device = _device(args.device)
     location = resolve_model_path(args.model)
     output = Path(args.output or f"{Path(location).name}-{Path(args.recipe).stem.lower()}")
-    if output.exists() and not args.overwrite:
-        raise PtqError(f"output '{output}' already exists; choose another --output or pass --overwrite")
-    source = Path(location).resolve()
-    if source.exists() and (output.resolve() == source or source in output.resolve().parents):
-        raise PtqError(f"output '{output}' is the source model's folder (or inside it); choose another --output")
-    start = time.perf_counter()
-    model, tokenizer = ptq.load_model(location)
+    source = local_folder(location)
+    check_output(output, overwrite=args.overwrite, sources=[source] if source else [])
+    report_path = _report_path(args.report_json) if args.report_json else None
+    cal = recipe.calibration
+    texts = None  # read (and checked) before the model is loaded
+    if uses_calibration_data(recipe):
+        texts = load_texts(cal.dataset, split=cal.split, text_column=cal.text_column, config_name=cal.config_name)
+    eval_texts = None if args.no_eval else load_texts(args.eval_text)
+    with claim_output(output, resume=args.resume, command=args.command_line) as slot:
+        store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
+        try:
+            results = _quantize_and_write(args, recipe, location, device, (texts, eval_texts), store, slot)
+        except KeyboardInterrupt:
+            if store.finished:
+                slot.keep = True
+                raise _Interrupted(f"interrupted; {store.finished} finished block(s) are kept in '{slot.work}': "
+                                   f"run the same command with --resume to continue") from None
+            raise
+        except PtqError as error:
+            if not store.finished and not slot.keep:
+                raise
+            slot.keep = True
+            raise PtqError(f"{error} (the finished blocks stay in '{slot.work}' for --resume)") from None
+    _print_summary(output, *results, report_path)
+
+
+def _quantize_and_write(args, recipe, location, device, texts, store, slot) -> tuple:
+    import ptq
+    from ptq.checkpoint.writer import write_checkpoint
+    from ptq.pipeline import cast_parameters_, select_linears
+    from ptq.report import size_of
+
+    texts, eval_texts = texts
+    model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
+    windows = None
+    if eval_texts is not None:
+        windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
+        _check_windows(model, windows)
     names = list(select_linears(model, recipe.weight_step))
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
-    reference = None if args.no_eval else copy.deepcopy(model)
-    ptq.quantize(model, recipe, tokenizer=tokenizer, device=_device(args.device))
+    reference = None if windows is None else copy.deepcopy(model)
+    ptq.quantize(model, recipe, tokenizer=tokenizer, data=texts, device=device, store=store)
     report = model.ptq_report
     after = size_of(model, report.checkpoint_dtype, names)
     quality = None
     if reference is not None:
         cast_parameters_(reference, report.compute_dtype)
-        windows = ptq.eval_windows(tokenizer, args.eval_text, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
         quality = ptq.evaluate(model, windows, reference=reference)
-    ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite)
+    write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer)
+    slot.publish()
+    return names, before, after, quality, report
+
+
+def _print_summary(output, names, before, after, quality, report, report_path) -> None:
+    from ptq.report import peak_memory_bytes, summary_table
+
     print()
     print(summary_table(before, after, quality, report.seconds, peak_memory_bytes()))
     for note in report.notes:
         print(f"note: {note}")
-    print(f"\nwrote {output} ({len(names)} Linears quantized; total time {time.perf_counter() - start:.1f} s)")
-    if args.report_json:
-        _write_json(args.report_json, before, after, quality, report, peak_memory_bytes())
+    print(f"\nwrote {output} ({len(names)} Linears quantized; quantize {report.seconds:.1f} s)")
+    if report_path is not None:
+        _write_json(report_path, before, after, quality, report, peak_memory_bytes())
 
 
-def _write_json(path, before, after, quality, report, peak) -> None:
+class _Interrupted(Exception):
+    """Ctrl-C during work: the message says what was kept."""
+
+
+def _write_json(path: Path, before, after, quality, report, peak) -> None:
     import dataclasses
     import json
 
@@ -107,29 +232,39 @@ def _write_json(path, before, after, quality, report, peak) -> None:
         "seconds": report.seconds,
         "timings": report.timings,
         "peak_memory_bytes": peak,
+        "settings": report.settings(),
         "notes": report.notes,
     }
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise PtqError(f"cannot write --report-json '{path}': {error.strerror or error}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import ptq
-    from ptq.models import is_quantized_checkpoint, resolve_model_path
+    from ptq.calibration.data import load_texts
+    from ptq.models import is_quantized_checkpoint, load_tokenizer, resolve_model_path
     from ptq.pipeline import cast_parameters_
+
+    device = _device(args.device)
+    texts = load_texts(args.eval_text)
 
     def load(name: str):
         location = resolve_model_path(name)
         if is_quantized_checkpoint(location):
-            from transformers import AutoTokenizer
-
-            return ptq.load(location, device=_device(args.device)), AutoTokenizer.from_pretrained(location)
-        model, tokenizer = ptq.load_model(location, device=_device(args.device))
-        cast_parameters_(model, compute_dtype_for(_device(args.device), model.dtype))
+            return ptq.load(location, device=device), load_tokenizer(location, trust_remote_code=args.trust_remote_code)
+        model, tokenizer = ptq.load_model(location, device=device, trust_remote_code=args.trust_remote_code)
+        cast_parameters_(model, compute_dtype_for(device, model.dtype))
         return model, tokenizer
 
     model, tokenizer = load(args.model)
     reference = load(args.reference)[0] if args.reference else None
-    windows = ptq.eval_windows(tokenizer, args.eval_text, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
+    windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
+    _check_windows(model, windows)
     result = ptq.evaluate(model, windows, reference=reference)
     print(f"perplexity: {result.perplexity:.3f} ({result.tokens:,} tokens, windows of {result.seq_len})")
     if reference is not None:
@@ -149,13 +284,37 @@ def cmd_bench(args: argparse.Namespace) -> None:
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "bench": cmd_bench}
 
 
+def _quiet_transformers() -> None:
+    """ptq shows its own progress; transformers' bars (loading weights) and advice would add
+    lines around a one-line error."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)  # kill: clean up as for Ctrl-C
+    _quiet_transformers()
     try:
+        args = _parser().parse_args(argv)
+        args.command_line = shlex.join(["ptq", *(a for a in argv if a != "--resume")])
         COMMANDS[args.command](args)
     except PtqError as error:
         print(f"ptq: error: {error}", file=sys.stderr)
         return 2
+    except _Interrupted as interrupted:
+        print(f"ptq: {interrupted}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print("ptq: interrupted; nothing was written", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

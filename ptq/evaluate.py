@@ -33,6 +33,10 @@ class EvalResult:
 
 def eval_windows(tokenizer, text: str | list[str] = "builtin-eval", *, seq_len: int = 512, max_windows: int | None = 64) -> Tensor:
     """Non-overlapping windows [n, seq_len] of the held-out text's token stream."""
+    if seq_len < 2:
+        raise PtqError(f"evaluation seq_len is {seq_len}; a window needs at least 2 tokens (--eval-seq-len)")
+    if max_windows is not None and max_windows < 1:
+        raise PtqError(f"evaluation max_windows is {max_windows}; evaluate at least 1 window (--eval-windows)")
     texts = load_texts(text) if isinstance(text, str) else text
     stream = token_stream(tokenizer, texts)
     n = len(stream) // seq_len
@@ -43,9 +47,48 @@ def eval_windows(tokenizer, text: str | list[str] = "builtin-eval", *, seq_len: 
     return stream[: n * seq_len].view(n, seq_len)
 
 
-def _logits(model: nn.Module, batch: Tensor) -> Tensor:
+def check_windows(model: nn.Module, windows: Tensor, reference: nn.Module | None = None) -> None:
+    """Refuse windows the model cannot read: ids outside its vocabulary, or longer than its
+    positions; and a reference whose vocabulary differs (KL compares the same tokens)."""
+    if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] < 2 or windows.is_floating_point():
+        raise PtqError(f"evaluation windows must be token ids [n >= 1, seq_len >= 2], not {list(windows.shape)}")
+    vocab, positions = _vocab_size(model), getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    low, high = torch.aminmax(windows)
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = int(low) if low < 0 else int(high)
+        raise PtqError(
+            f"evaluation text has token id {bad}, outside the model's vocabulary of {vocab}; "
+            "evaluate with the model's own tokenizer"
+        )
+    if isinstance(positions, int) and windows.shape[1] > positions:
+        raise PtqError(
+            f"evaluation windows of {windows.shape[1]} tokens are longer than the model's "
+            f"{positions} positions; use a smaller --eval-seq-len (at most {positions})"
+        )
+    if reference is not None and _vocab_size(reference) != vocab:
+        raise PtqError(
+            f"the reference model's vocabulary ({_vocab_size(reference)}) differs from the model's ({vocab}); "
+            "compare models that share a tokenizer"
+        )
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def _logits(model: nn.Module, batch: Tensor, first_window: int, whose: str = "the model's") -> Tensor:
+    """Logits [b, seq, vocab] in float32 on the CPU; refused if any is NaN or Inf."""
     device = next(model.parameters()).device
-    return model(input_ids=batch.to(device), use_cache=False).logits.float().cpu()
+    logits = model(input_ids=batch.to(device), use_cache=False).logits.float().cpu()
+    broken = ~torch.isfinite(logits).flatten(1).all(dim=1)  # [b]
+    if broken.any():
+        window = first_window + int(broken.nonzero()[0]) + 1
+        raise PtqError(f"{whose} logits contain NaN or Inf on evaluation window {window}; the checkpoint is broken")
+    return logits
 
 
 @torch.no_grad()
@@ -58,14 +101,18 @@ def evaluate(
     show_progress: bool = True,
 ) -> EvalResult:
     """Perplexity of model on token windows [n, seq_len]; KL and top-1 against reference."""
+    if batch_size < 1:
+        raise PtqError(f"evaluation batch_size is {batch_size}; it must be at least 1")
+    check_windows(model, windows, reference)
     nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
-    for batch in tqdm(windows.split(batch_size), desc="evaluate", unit="batch", disable=not show_progress):
-        logp = F.log_softmax(_logits(model, batch)[:, :-1], dim=-1)  # [b, seq-1, vocab]
+    batches = tqdm(windows.split(batch_size), desc="evaluate", unit="batch", disable=not show_progress)
+    for i, batch in enumerate(batches):
+        logp = F.log_softmax(_logits(model, batch, i * batch_size)[:, :-1], dim=-1)  # [b, seq-1, vocab]
         targets = batch[:, 1:]
         nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         count += targets.numel()
         if reference is not None:
-            ref = F.log_softmax(_logits(reference, batch)[:, :-1], dim=-1)
+            ref = F.log_softmax(_logits(reference, batch, i * batch_size, "the reference model's")[:, :-1], dim=-1)
             ref_nll -= ref.gather(-1, targets.unsqueeze(-1)).sum().item()
             kl += (ref.exp() * (ref - logp)).sum().item()
             agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()

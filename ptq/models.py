@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import json
+import os
 from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ptq.errors import PtqError
+from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
 
 BUNDLED = "builtin"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json"
+)  # a folder with none of these has no tokenizer
 
 
 def bundled_model_path() -> Path:
@@ -19,11 +24,11 @@ def bundled_model_path() -> Path:
     return Path(str(resources.files("ptq").joinpath("assets", "tiny-llama")))
 
 
-def resolve_model_path(name: str | None) -> str:
+def resolve_model_path(name: str | os.PathLike | None) -> str:
     """A loadable location for name: the bundled model, a local folder, or a Hub name."""
     if name in (None, BUNDLED):
         return str(bundled_model_path())
-    path = Path(name)
+    path, name = Path(name), str(name)
     if path.exists():
         if not (path / "config.json").is_file():
             raise PtqError(f"model path '{name}' is not a model folder (it has no config.json)")
@@ -36,20 +41,107 @@ def resolve_model_path(name: str | None) -> str:
 
 def is_quantized_checkpoint(path: str) -> bool:
     config = Path(path) / "config.json"
-    return config.is_file() and "quantization_config" in json.loads(config.read_text())
+    return config.is_file() and "quantization_config" in read_config(Path(path), path)
+
+
+def read_config(folder: Path, label: str) -> dict:
+    """folder's config.json as a dict; label names the model in messages."""
+    try:
+        return read_json_object(folder / "config.json", "config.json")
+    except PtqError as error:
+        raise PtqError(f"cannot load model '{label}': {error}") from None
+
+
+def check_model_type(config: dict) -> None:
+    """Refuse a config whose model_type transformers does not know (message without a prefix)."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise PtqError("config.json has no model_type (e.g. \"llama\"); fix config.json")
+    if model_type not in CONFIG_MAPPING:
+        raise PtqError(
+            f"config.json has model_type '{shorten(model_type)}', which transformers {__version__} does not know; "
+            "upgrade transformers or fix config.json"
+        )
+
+
+def check_model_folder(folder: Path, label: str, *, trust_remote_code: bool = False) -> None:
+    """Refuse a local model folder that transformers would choke on, run code from, or
+    prompt about, before it is asked to load anything."""
+    config = read_config(folder, label)
+    if "auto_map" in config and not trust_remote_code:
+        raise _needs_own_code(label)
+    check_tokenizer_files(folder, label)
+    try:
+        if "auto_map" not in config:
+            check_model_type(config)
+        weight_files(folder)
+    except PtqError as error:
+        raise PtqError(f"cannot load model '{label}': {error}") from None
+
+
+def check_tokenizer_files(folder: Path, label: str) -> None:
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise PtqError(
+            f"model '{label}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+            "copy the tokenizer of the model it came from into the folder"
+        )
+
+
+def _needs_own_code(label: str) -> PtqError:
+    return PtqError(
+        f"model '{label}' needs its own code (auto_map in config.json); "
+        "pass --trust-remote-code (trust_remote_code=True) only if you trust it"
+    )
 
 
 def load_model(
-    name: str | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    name: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, object]:
-    """(model, tokenizer) of an unquantized causal LM, in dtype (default: as it was saved)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) of an unquantized causal LM, in dtype (default: as it was saved).
+
+    trust_remote_code: allow a model that brings its own code (auto_map in config.json)
+    to run it; refused by default, and never asked about on the terminal.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     location = resolve_model_path(name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or "auto")
-    except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise PtqError(f"cannot load model '{name}': {first}") from None
+    label = name or BUNDLED
+    if Path(location).is_dir():
+        check_model_folder(Path(location), label, trust_remote_code=trust_remote_code)
+    trust = {"trust_remote_code": trust_remote_code}
+    config = _from_pretrained(AutoConfig, location, label, "model", **trust)
+    if getattr(config, "auto_map", None) and not trust_remote_code:  # a Hub model, not checked above
+        raise _needs_own_code(label)
+    tokenizer = _tokenizer(location, label, trust_remote_code)
+    model = _from_pretrained(AutoModelForCausalLM, location, label, "model", dtype=dtype or "auto", **trust)
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(name: str | os.PathLike | None = None, *, trust_remote_code: bool = False):
+    """The tokenizer of a model folder, a ptq checkpoint or a Hub name."""
+    location = resolve_model_path(name)
+    label = name or BUNDLED
+    if Path(location).is_dir():
+        check_tokenizer_files(Path(location), label)
+    return _tokenizer(location, label, trust_remote_code)
+
+
+def _tokenizer(location: str, label: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    what = "the tokenizer of model"
+    return _from_pretrained(AutoTokenizer, location, label, what, trust_remote_code=trust_remote_code)
+
+
+def _from_pretrained(auto: type, location: str, label: str, what: str, **kwargs):
+    """auto.from_pretrained(location, **kwargs), its failures turned into one-line PtqErrors."""
+    try:
+        return auto.from_pretrained(location, **kwargs)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise PtqError(f"cannot load {what} '{label}': {first_line(error)}") from None

@@ -72,6 +72,12 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
+    def empty_like(cls, linear: nn.Linear, scheme: Scheme, *, scale_dtype: torch.dtype, has_g_idx: bool) -> QuantLinear:
+        """A QuantLinear of linear's shape and device, its buffers to be loaded from a state dict."""
+        return cls(linear.in_features, linear.out_features, scheme, bias=linear.bias is not None,
+                   scale_dtype=scale_dtype, has_g_idx=has_g_idx, device=linear.weight.device)
+
+    @classmethod
     def from_quantized(
         cls, linear: nn.Linear, qw: QuantizedWeight, scheme: Scheme, input_scale: Tensor | None = None
     ) -> QuantLinear:

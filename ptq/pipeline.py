@@ -18,8 +18,9 @@ from torch import nn
 
 from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
-from ptq.arch import find_blocks
+from ptq.arch import check_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
+from ptq.calibration.resume import BlockStore, fingerprint
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
@@ -37,6 +38,7 @@ class QuantizationReport:
     recipe: Recipe
     checkpoint_dtype: torch.dtype  # dtype of the source weights: scales and kept tensors use it
     compute_dtype: torch.dtype
+    device: str = "cpu"  # the type of device the work ran on
     layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -45,6 +47,17 @@ class QuantizationReport:
 
     def add_time(self, what: str, seconds: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + seconds
+
+    def settings(self) -> dict:
+        """What decided the bits besides the recipe and the data: recorded in the checkpoint."""
+        settings = {
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "checkpoint_dtype": str(self.checkpoint_dtype).removeprefix("torch."),
+            "device": self.device,
+        }
+        if self.device == "cpu":
+            settings["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        return settings
 
 
 def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:
@@ -89,6 +102,7 @@ def quantize(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     show_progress: bool = True,
+    store: BlockStore | None = None,
 ) -> nn.Module:
     """Quantize `model` in place with `recipe` (a Recipe, a YAML path or a preset name).
 
@@ -96,6 +110,8 @@ def quantize(
     calibration source (the bundled text by default), a list of strings, a
     datasets.Dataset, or token-id tensors. tokenizer is needed unless data is token ids.
     dtype: the compute dtype; by default ptq.devices.compute_dtype_for(device, model dtype).
+    store: keeps each finished block on disk and restores the blocks an earlier,
+    interrupted run with the same recipe, data and dtypes finished (ptq.calibration.resume).
     """
     recipe = load_recipe(recipe)
     step = recipe.weight_step
@@ -103,19 +119,23 @@ def quantize(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_finite(model)
     linears = select_linears(model, step)
-    calibrated = needs_calibration(step) or bool(recipe.transforms)
+    for transform in recipe.transforms:
+        check_mappings(model, transform.mappings, transform.step_name)
+    calibrated = uses_calibration_data(recipe)
     if calibrated:  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
         batches = calibration_batches(
             tokenizer, cal.dataset if data is None else data,
             samples=cal.samples, seq_len=cal.seq_len, seed=cal.seed, text_column=cal.text_column,
+            split=cal.split, config_name=cal.config_name, vocab_size=model.get_input_embeddings().num_embeddings,
         )
     checkpoint_dtype = _model_dtype(model)
-    report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype))
+    report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
+                                device.type)
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if calibrated:
-        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress)
+        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress, store)
     else:
         _quantize_rtn(model, linears, step, report)
     report.seconds = time.perf_counter() - start
@@ -130,6 +150,11 @@ def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def uses_calibration_data(recipe: Recipe) -> bool:
+    """Whether the recipe runs calibration samples through the model (else: RTN alone)."""
+    return needs_calibration(recipe.weight_step) or bool(recipe.transforms)
 
 
 def needs_calibration(step: WeightStep) -> bool:
@@ -173,7 +198,9 @@ def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightS
         report.layers[name] = "rtn"
 
 
-def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, report, show_progress) -> None:
+def _quantize_with_calibration(
+    model, linears, recipe: Recipe, batches, device, report, show_progress, store: BlockStore | None = None
+) -> None:
     step, cal = recipe.weight_step, recipe.calibration
     blocks_path, _ = find_blocks(model)
     inside = {n: m for n, m in linears.items() if n.startswith(blocks_path + ".")}
@@ -181,6 +208,7 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
     if outside:  # no calibration inputs are captured outside the blocks (e.g. lm_head)
         _quantize_rtn(model, outside, step, report)
         report.notes.append(f"RTN for Linears outside the decoder blocks: {', '.join(outside)}")
+    resumed = _resume(model, blocks_path, batches, step, report, store) if store else {}
 
     orders: dict[tuple, Stages] = {}  # blocks of one class and Linears run in one order
     make_observer = _make_observer(step)
@@ -227,8 +255,53 @@ def _quantize_with_calibration(model, linears, recipe: Recipe, batches, device, 
         report.add_time("calibration passes", time.perf_counter() - start)
         return outputs
 
+    notes_before = [0]
+
+    def block_done(index: int, block: nn.Module, hidden: list[torch.Tensor]) -> None:
+        prefix = f"{blocks_path}.{index}"
+        record = {
+            "layers": {n: how for n, how in report.layers.items() if n.startswith(prefix + ".")},
+            "modules": {n: {"actorder": m.actorder, "observer": m.observer}
+                        for n, m in block.named_modules() if isinstance(m, QuantLinear)},
+            "notes": report.notes[notes_before[0]:],
+            "smoothing": {k: v for k, v in report.smoothing.items() if k.startswith(prefix + ": ")},
+        }
+        notes_before[0] = len(report.notes)
+        if store is not None:
+            store.save_block(index, block, record, hidden)
+
+    notes_before[0] = len(report.notes)
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
-               show_progress=show_progress)
+               show_progress=show_progress, block_done=block_done, **resumed)
+
+
+def _resume(model, blocks_path: str, batches, step: WeightStep, report, store: BlockStore) -> dict:
+    """Rebuild the blocks an earlier run finished; run_blocks' arguments to go on from there."""
+    identity = {
+        "recipe": report.recipe.to_yaml(),
+        "calibration_data": fingerprint(batches),
+        **report.settings(),
+    }
+    finished = store.begin(identity)
+    if not finished:
+        return {}
+    blocks = model.get_submodule(blocks_path)
+    for index in range(finished):
+        state, record = store.load_block(index)
+        block = blocks[index]
+        for name, meta in record["modules"].items():
+            linear = block.get_submodule(name)
+            module = QuantLinear.empty_like(linear, step.scheme, scale_dtype=report.checkpoint_dtype,
+                                            has_g_idx=f"{name}.weight_g_idx" in state)
+            module.actorder, module.observer = meta["actorder"], meta["observer"]
+            block.set_submodule(name, module)
+            linear.to("meta")
+        block.load_state_dict(state, strict=True, assign=True)
+        report.layers.update(record["layers"])
+        report.notes.extend(note for note in record["notes"] if note not in report.notes)
+        report.smoothing.update(record["smoothing"])
+    report.notes.append(f"resumed: blocks 0 to {finished - 1} were finished by an interrupted run")
+    return {"start": finished, "start_hidden": store.load_inputs()}
 
 
 @torch.no_grad()

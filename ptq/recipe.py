@@ -11,6 +11,8 @@ field, the value and what is allowed.
 
 from __future__ import annotations
 
+import reprlib
+import stat
 import types
 import typing
 from pathlib import Path
@@ -18,9 +20,14 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ptq.errors import PtqError
 from ptq.schemes import PRESETS, Scheme, resolve_scheme
+from ptq.targets import pattern_problem
+
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines of YAML
+MAX_CALIBRATION_TOKENS = 1 << 27  # samples x seq_len: 1 GiB of int64 token ids
 
 
 class Strict(BaseModel):
@@ -30,19 +37,58 @@ class Strict(BaseModel):
 class Calibration(Strict):
     """Where calibration text comes from and how much of it to use."""
 
-    dataset: str = Field(default="builtin", description="builtin, a .txt/.jsonl path, or a datasets name/path")
-    config_name: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    samples: int = Field(default=128, ge=1)
-    seq_len: int = Field(default=512, ge=8)
-    seed: int = 0
+    dataset: str = Field(
+        default="builtin", min_length=1, description="builtin, a .txt/.jsonl path, or a datasets name/path"
+    )
+    config_name: str | None = Field(default=None, min_length=1, description="the datasets configuration")
+    split: str = Field(default="train", min_length=1, description="the datasets split")
+    text_column: str = Field(default="text", min_length=1, description="the column (.jsonl: field) of text")
+    samples: int = Field(default=128, ge=1, le=100_000, description="windows of seq_len tokens, 1..100,000")
+    seq_len: int = Field(default=512, ge=8, le=1 << 20, description="tokens per window, 8..1,048,576")
+    seed: int = Field(default=0, ge=0, le=(1 << 64) - 1, description="window offsets' seed, 0..2**64-1 (torch's range)")
     # each block calibrates on the outputs of the already-quantized previous block, or on
     # the original model's activations
     propagate: Literal["quantized", "original"] = "quantized"
     # quantize a block's Linears stage by stage (q/k/v, o, gate/up, down), each calibrated
     # on inputs that went through the stages already quantized
     true_sequential: bool = True
+
+    @model_validator(mode="after")
+    def _tokens(self) -> Calibration:
+        tokens = self.samples * self.seq_len
+        if tokens > MAX_CALIBRATION_TOKENS:
+            raise ValueError(
+                f"samples x seq_len is {tokens:,} tokens, more than ptq calibrates on "
+                f"({MAX_CALIBRATION_TOKENS:,}); lower calibration.samples or calibration.seq_len"
+            )
+        return self
+
+
+def _check_patterns(patterns: list[str]) -> list[str]:
+    for pattern in patterns:
+        problem = pattern_problem(pattern)
+        if problem:
+            raise ValueError(problem)
+    return patterns
+
+
+class SmoothingPattern(Strict):
+    """One smoothable pair of a recipe's `mappings`, in block-relative target syntax
+    (a module name, a class name or 're:<regex>'); see ptq.arch.mappings_from_patterns."""
+
+    smooth: str
+    balance: list[str] = Field(min_length=1)
+    inspect: str | None = None
+
+    @field_validator("smooth", "inspect")
+    @classmethod
+    def _one(cls, value: str | None) -> str | None:
+        return value if value is None else _check_patterns([value])[0]
+
+    @field_validator("balance")
+    @classmethod
+    def _many(cls, value: list[str]) -> list[str]:
+        return _check_patterns(value)
 
 
 class Step(Strict):
@@ -56,7 +102,21 @@ class TransformStep(Step):
 
     # smoothing pairs for models the architecture table does not know: block-relative
     # names or 're:' regexes, e.g. [{smooth: input_layernorm, balance: [q_proj, k_proj, v_proj], inspect: self_attn}]
-    mappings: list[dict[str, Any]] | None = None
+    mappings: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+
+    @field_validator("mappings")
+    @classmethod
+    def _mappings(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value is None:
+            return None
+        patterns = []
+        for i, item in enumerate(value):
+            try:
+                pattern = SmoothingPattern.model_validate(item)
+            except ValidationError as error:
+                raise _nested(str(i), _describe(error, SmoothingPattern)) from None
+            patterns.append(pattern.model_dump(exclude_none=True))
+        return patterns
 
 
 class WeightStep(Step):
@@ -72,6 +132,11 @@ class WeightStep(Step):
         if isinstance(value, str) and value.upper() not in PRESETS:
             raise ValueError(f"unknown preset '{value}'; choose one of {', '.join(PRESETS)}")
         return resolve_scheme(value) if isinstance(value, str) else value
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        return _check_patterns(value)
 
 
 STEPS: dict[str, type[Step]] = {}
@@ -102,25 +167,37 @@ class RTNStep(WeightStep):
 class GPTQStep(WeightStep):
     """GPTQ: Hessian-guided rounding with error feedback (see ptq.algorithms.gptq)."""
 
-    block_size: int = Field(default=128, ge=1)
-    damp: float = Field(default=0.01, gt=0, lt=1)
+    block_size: int = Field(default=128, ge=1, le=1 << 16, description="columns per lazy update, 1..65,536")
+    damp: float = Field(default=0.01, gt=0, lt=1, allow_inf_nan=False)
     actorder: Literal["none", "static", "group"] = "static"
     scales: Literal["updated", "original"] = "updated"
     observer: ObserverName = "mse"
+
+    @model_validator(mode="after")
+    def _fits_scheme(self) -> GPTQStep:
+        weights = self.scheme.weights
+        if weights.type == "int" and weights.strategy == "tensor":
+            raise ValueError("GPTQ quantizes int weights per channel or group, not per tensor; use rtn, or change the strategy")
+        if self.actorder == "group" and weights.strategy != "group":
+            raise ValueError(
+                f"actorder 'group' orders the groups of strategy 'group', and the weights are per "
+                f"'{weights.strategy}'; use actorder 'static' (the same column order)"
+            )
+        return self
 
 
 @register_step("smoothquant")
 class SmoothQuantStep(TransformStep):
     """SmoothQuant: move activation outliers into the weights, s = max|X|^α / max|W|^(1-α)."""
 
-    alpha: float = Field(default=0.5, gt=0, lt=1)
+    alpha: float = Field(default=0.5, gt=0, lt=1, allow_inf_nan=False)
 
 
 @register_step("awq")
 class AWQStep(TransformStep):
     """AWQ: per-channel scales searched to minimise the quantized module's output error."""
 
-    n_grid: int = Field(default=20, ge=2)
+    n_grid: int = Field(default=20, ge=2, le=1000, description="scale ratios searched, 2..1000")
     duo_scaling: bool | Literal["both"] = True
     clip: bool = True  # also search a per-group clipping range (not for q/k)
 
@@ -140,11 +217,11 @@ class Recipe(Strict):
                 parsed.append(item)
                 continue
             if not isinstance(item, dict) or len(item) != 1:
-                raise ValueError(f"step {i} must be a one-key mapping like 'rtn: {{scheme: W4A16}}'")
+                raise _nested(str(i), "a step is a one-key mapping like 'rtn: {scheme: W4A16}'")
             (name, options), = item.items()
             if name not in STEPS:
-                raise ValueError(f"step {i}: unknown step '{name}'; allowed: {', '.join(STEPS)}")
-            parsed.append(_validate_step(STEPS[name], options or {}, f"steps.{i}.{name}"))
+                raise _nested(str(i), f"unknown step {_shown(name)}; allowed: {', '.join(STEPS)}")
+            parsed.append(_validate_step(STEPS[name], options or {}, f"{i}.{name}"))
         return parsed
 
     @model_validator(mode="after")
@@ -154,8 +231,15 @@ class Recipe(Strict):
         if kinds.count(True) != 1 or not kinds[-1]:
             weight = ", ".join(n for n, cls in STEPS.items() if issubclass(cls, WeightStep))
             raise ValueError(
-                f"steps {names}: a recipe ends with exactly one weight step ({weight}), "
+                f"steps {_shown(names)}: a recipe ends with exactly one weight step ({weight}), "
                 "after any smoothing steps"
+            )
+        weights = self.weight_step.scheme.weights
+        clipping = [i for i, s in enumerate(self.steps) if isinstance(s, AWQStep) and s.clip]
+        if clipping and (weights.type != "int" or weights.strategy not in ("group", "channel")):
+            raise ValueError(
+                f"steps.{clipping[0]}.awq: clip searches ranges of int weights per group or channel, "
+                f"not {weights.type} per {weights.strategy}; set clip: false"
             )
         return self
 
@@ -177,7 +261,30 @@ def _validate_step(cls: type[Step], options: Any, where: str) -> Step:
     try:
         return cls.model_validate(options)
     except ValidationError as error:
-        raise ValueError(f"{where}: {_describe(error, cls)}") from None
+        raise _nested(where, _describe(error, cls)) from None
+
+
+NESTED = "ptq_nested"  # an error already described by a nested model: path and message
+
+
+def _nested(path: str, message: str) -> PydanticCustomError:
+    """An error whose message a nested validation wrote, at `path` below the field."""
+    return PydanticCustomError(NESTED, "{path}: {message}", {"path": path, "message": message})
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 6
+_REPR.maxlevel = 3
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown(value: Any) -> str:
+    """repr(value) for a message, cut to about 100 characters however large value is."""
+    return _cut(_REPR.repr(value), 100)
 
 
 def _allowed_keys(model: type, loc: tuple) -> list[str]:
@@ -210,17 +317,23 @@ def _describe(error: ValidationError, model: type[BaseModel]) -> str:
     where = ".".join(str(p) for p in loc) or "recipe"
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(_allowed_keys(model, loc[:-1]))
-        return f"unknown key '{loc[-1]}'; allowed keys here: {allowed}"
+        return f"unknown key '{_cut(str(loc[-1]))}'; allowed keys here: {allowed}"
+    if first["type"] == NESTED:  # the nested model said what and where: no echo of the input
+        return f"{where}.{first['ctx']['path']}: {first['ctx']['message']}"
     message = first["msg"].removeprefix("Value error, ")
     if not loc:  # a check of the whole recipe: its message says what is wrong
         return message
     if first["type"] == "missing":
         return f"{where}: required field is missing"
-    return f"{where}: {message} (got {first['input']!r})"
+    if first["type"] == "value_error" and isinstance(first["input"], dict):
+        return f"{where}: {message}"  # a check across fields: its message names the values
+    return f"{where}: {message} (got {_shown(first['input'])})"
 
 
 def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
     """A Recipe from already-parsed YAML data; PtqError naming the bad field if invalid."""
+    if data is None:
+        raise PtqError(f"{source} is empty; a recipe is a YAML mapping with 'steps' (see recipes/)")
     if not isinstance(data, dict):
         raise PtqError(f"{source}: a recipe is a YAML mapping with 'steps' (and optionally 'calibration')")
     try:
@@ -233,15 +346,73 @@ def load_recipe(value: str | Path | Recipe) -> Recipe:
     """A Recipe from a Recipe, a YAML file path, or a scheme preset name (RTN)."""
     if isinstance(value, Recipe):
         return value
+    if not isinstance(value, (str, Path)):
+        raise PtqError(
+            f"a recipe is a Recipe, a YAML file path or a preset name ({', '.join(PRESETS)}), "
+            f"not {type(value).__name__}"
+        )
     if isinstance(value, str) and value.upper() in PRESETS:
         return Recipe(steps=[RTNStep(scheme=PRESETS[value.upper()])])
     path = Path(value)
-    if not path.is_file():
-        raise PtqError(f"recipe file '{path}' not found; pass a YAML file (see recipes/) or a preset name")
+    return parse_recipe(_read_yaml(path), f"recipe '{_cut(str(path))}'")
+
+
+class _AliasLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses anchors and aliases: no recipe needs them, and nested
+    aliases expand exponentially (the "billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            raise _AliasError(f"{sign}{anchor}", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+class _AliasError(yaml.YAMLError):
+    def __init__(self, name: str, mark: Any) -> None:
+        super().__init__(name)
+        self.name, self.problem_mark = name, mark
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed YAML of a recipe file; PtqError naming what is wrong with the file."""
+    shown = f"recipe '{_cut(str(path))}'"
+    text = _recipe_text(path, shown)
     try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        return yaml.load(text, Loader=_AliasLoader)  # noqa: S506 - a SafeLoader
+    except _AliasError as error:
+        line = error.problem_mark.line + 1
+        raise PtqError(f"{shown} uses YAML anchors/aliases ({error.name}, line {line}); write the values out") from None
+    except yaml.YAMLError as error:
         line = getattr(getattr(error, "problem_mark", None), "line", None)
         at = f" at line {line + 1}" if line is not None else ""
-        raise PtqError(f"recipe '{path}' is not valid YAML{at}; check its indentation and syntax") from None
-    return parse_recipe(data, str(path))
+        raise PtqError(f"{shown} is not valid YAML{at}; check its indentation and syntax") from None
+    except RecursionError:
+        raise PtqError(f"{shown} nests too deeply to be a recipe") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise PtqError(f"{shown} holds a value YAML cannot read: {_cut(str(error))}") from None
+
+
+def _recipe_text(path: Path, shown: str) -> str:
+    """A recipe file's UTF-8 text; PtqError if it is missing, a folder, too large or unreadable."""
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL in the name
+        raise PtqError(
+            f"recipe file '{_cut(str(path))}' not found; pass a YAML file (see recipes/) "
+            f"or a preset name ({', '.join(PRESETS)})"
+        ) from None
+    except OSError as error:  # e.g. a name too long
+        raise PtqError(f"cannot read {shown}: {error.strerror or error}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise PtqError(f"{shown} is a directory, not a file; pass a YAML file (see recipes/)")
+    if info.st_size > MAX_RECIPE_BYTES:
+        raise PtqError(f"{shown} is larger than {MAX_RECIPE_BYTES >> 20} MB; a recipe is a few lines of YAML")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as error:  # PermissionError and the like
+        raise PtqError(f"cannot read {shown}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise PtqError(f"{shown} is not UTF-8 text (byte offset {error.start}); convert it to UTF-8") from None

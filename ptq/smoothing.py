@@ -27,7 +27,8 @@ def smooth_block_(
     model: nn.Module, run: BlockRun, step: TransformStep, args: QuantArgs, scale_dtype: torch.dtype
 ) -> tuple[dict[str, str], list[str]]:
     """Apply one smoothing step to the block in place: (what was done per pair, skip reasons)."""
-    mappings, skipped = block_mappings(model, run.block, step.mappings)
+    # the recipe's own mappings must name modules of every block; the table's may not apply
+    mappings, skipped = block_mappings(model, run.block, step.mappings, strict=True, what=step.step_name)
     if isinstance(step, SmoothQuantStep):
         return _smoothquant_(run, mappings, step), skipped
     assert isinstance(step, AWQStep)

@@ -4,6 +4,8 @@ patterns raise PtqError with a message saying how to fix them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -14,6 +16,7 @@ from ptq.arch import (
     SmoothingMapping,
     architecture_of,
     block_mappings,
+    check_mappings,
     find_blocks,
     mappings_from_patterns,
     resolve_mappings,
@@ -196,3 +199,74 @@ def test_bad_user_patterns(pattern, message):
 def test_missing_modules_are_reported():
     usable, skipped = resolve_mappings(_Block(), [SmoothingMapping("norm", ("ffn.c",), "ffn")])
     assert usable == [] and skipped == ["norm -> ffn.c skipped: _Block has no module ffn.c"]
+
+
+def test_recipe_mappings_must_name_modules_of_every_block():
+    model = tiny("llama", kv_heads=4)
+    good = [{"smooth": "input_layernorm", "balance": ["re:.*(q|k|v)_proj$"], "inspect": "self_attn"}]
+    check_mappings(model, good, "awq")  # before any work: names only
+    typo = [{"smooth": "input_layernorm", "balance": ["self_attn.q_prj"]}]
+    with pytest.raises(PtqError) as error:
+        check_mappings(model, typo, "awq")
+    assert str(error.value) == (
+        "awq mapping 0 (input_layernorm -> self_attn.q_prj): balance pattern 'self_attn.q_prj' matches no Linear "
+        "in LlamaDecoderLayer; check the names (print(model) shows them)"
+    )
+    nothing = [{"smooth": "re:.*no_such_norm$", "balance": ["re:.*q_proj$"]}]
+    with pytest.raises(PtqError) as error:
+        check_mappings(model, nothing, "smoothquant")
+    assert str(error.value) == (
+        "smoothquant mapping 0 (re:.*no_such_norm$ -> re:.*q_proj$): LlamaDecoderLayer has no module matching "
+        "'re:.*no_such_norm$'; check the names (print(model) shows them)"
+    )
+    # the same check per block, as smoothing runs: the table's patterns may not apply, the recipe's must
+    block = find_blocks(model)[1][1]
+    assert block_mappings(model, block, nothing) == ([], [])
+    with pytest.raises(PtqError, match="LlamaDecoderLayer has no module"):
+        block_mappings(model, block, nothing, strict=True, what="awq")
+
+
+def test_a_block_without_the_module_is_reported():
+    model = _Unknown()
+    del model.stack[1].norm  # the first block has it, the second does not
+    mapping = [{"smooth": "norm", "balance": ["ffn.a"]}]
+    mappings_from_patterns(model.stack[0], mapping, strict=True)
+    with pytest.raises(PtqError, match="smoothing mapping 0 \\(norm -> ffn.a\\): _Block has no module norm"):
+        check_mappings(model, mapping)
+
+
+def test_table_mappings_are_checked_up_front():
+    check_mappings(tiny("opt"), None, "awq")  # the table has them: nothing to say
+    with pytest.raises(PtqError, match="_Unknown has no smoothing mappings in ptq's architecture table"):
+        check_mappings(_Unknown(), None, "awq")
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ({"smooth": "norm", "balance": []}, "'balance' must be a list of patterns, at least one"),
+        ({"smooth": 3, "balance": ["ffn.a"]}, "are module names or 're:' patterns (text)"),
+        ({"smooth": "norm", "balance": ["re:(ffn"]}, "invalid regex 're:(ffn': missing ), unterminated subpattern"),
+    ],
+)
+def test_bad_user_patterns_from_code(pattern, message):
+    with pytest.raises(PtqError, match=re.escape(message)):
+        mappings_from_patterns(_Block(), [pattern])
+
+
+def test_quantize_refuses_recipe_mappings_with_a_typo():
+    from ptq.pipeline import quantize
+    from ptq.recipe import parse_recipe
+
+    def recipe(balance):
+        mapping = {"smooth": "input_layernorm", "balance": balance, "inspect": "self_attn"}
+        return parse_recipe({"steps": [{"smoothquant": {"mappings": [mapping]}}, {"rtn": {"scheme": "W8A8"}}]})
+
+    data = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = quantize(tiny("llama"), recipe(["re:.*(q|k|v)_proj$"]), data=data, device="cpu", show_progress=False)
+    assert sorted(model.ptq_report.smoothing) == [
+        f"model.layers.{i}: input_layernorm -> {', '.join(QKV)}" for i in range(2)
+    ]
+    with pytest.raises(PtqError, match="smoothquant mapping 0 .*: balance pattern 'q_prj' matches no Linear in "
+                                       "LlamaDecoderLayer; check the names"):
+        quantize(tiny("llama"), recipe(["q_prj"]), data=data, device="cpu", show_progress=False)

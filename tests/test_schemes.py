@@ -43,3 +43,58 @@ def test_resolve():
         resolve_scheme("W5")
     custom = resolve_scheme({"weights": {"num_bits": 6, "strategy": "group", "group_size": 64}})
     assert custom.weights.num_bits == 6
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"num_bits": 1, "strategy": "channel"}, "type 'int' needs num_bits 2..8, not 1"),
+        ({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}, "not per group"),
+        ({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}, "must be symmetric"),
+    ],
+)
+def test_args_that_cannot_quantize(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        QuantArgs(**fields)
+
+
+def test_two_bits_is_the_fewest():
+    args = QuantArgs(num_bits=2, strategy="channel")
+    assert (args.qmin, args.qmax) == (-2, 1)
+
+
+INT8_TOKEN = {"num_bits": 8, "strategy": "token", "dynamic": True}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+INT8_CHANNEL = {"num_bits": 8, "strategy": "channel"}
+
+
+@pytest.mark.parametrize(
+    "weights,acts,message",
+    [
+        # weight-only kernels: int per channel or group; no fp8 without fp8 activations
+        ({"num_bits": 8, "type": "float", "strategy": "channel"}, None, "weight-only fp8 is not supported"),
+        ({"num_bits": 4, "strategy": "tensor"}, None, "weight-only int weights are quantized per channel or group"),
+        # W8A8 kernels: 8-bit symmetric weights of the activations' type, per channel or tensor
+        (INT8_CHANNEL, {"num_bits": 8, "strategy": "group", "group_size": 8}, "not 'group'"),
+        (INT8_CHANNEL, {"num_bits": 8, "strategy": "tensor", "dynamic": True}, "per-tensor activation scales are static"),
+        (INT8_CHANNEL, {"num_bits": 8, "strategy": "token"}, "must be dynamic"),
+        (INT8_CHANNEL, FP8_TOKEN, "weights int8 with activations float8"),
+        ({"num_bits": 8, "type": "float", "strategy": "channel"}, INT8_TOKEN, "weights float8 with activations int8"),
+        ({"num_bits": 4, "strategy": "channel"}, INT8_TOKEN, "need 8-bit weights"),
+        (INT8_CHANNEL, {**INT8_TOKEN, "num_bits": 4}, "activations int4"),
+        ({**INT8_CHANNEL, "symmetric": False}, INT8_TOKEN, "must be symmetric: no zero points are stored"),
+        (INT8_CHANNEL, {**INT8_TOKEN, "symmetric": False}, "must be symmetric"),
+        ({"num_bits": 8, "strategy": "group", "group_size": 128}, INT8_TOKEN, "per channel or per tensor, not per 'group'"),
+    ],
+)
+def test_schemes_the_kernels_cannot_run(weights, acts, message):
+    with pytest.raises(ValidationError, match=message):
+        resolve_scheme({"weights": weights, "input_activations": acts})
+
+
+def test_schemes_the_kernels_run():
+    assert resolve_scheme({"weights": INT8_CHANNEL, "input_activations": INT8_TOKEN}) == PRESETS["W8A8"]
+    static = resolve_scheme({"weights": {"num_bits": 8, "strategy": "tensor"},
+                             "input_activations": {"num_bits": 8, "strategy": "tensor"}})
+    assert static.format == "int-quantized"
+    assert resolve_scheme({"weights": {"num_bits": 2, "symmetric": False, "strategy": "group", "group_size": 32}})

@@ -183,6 +183,9 @@ def run_blocks(
     batch_size: int = 2,
     propagate: str = "quantized",
     show_progress: bool = True,
+    start: int = 0,
+    start_hidden: list[Tensor] | None = None,
+    block_done: Callable[[int, nn.Module, list[Tensor]], None] | None = None,
 ) -> None:
     """Call process(run) for each block in order, feeding it the calibration inputs.
 
@@ -191,12 +194,21 @@ def run_blocks(
 
     propagate="quantized": each block's inputs are the outputs of the already-processed
     previous block; "original": the outputs the previous block gave before processing.
+
+    To resume, `start` skips the blocks already done and `start_hidden` gives block
+    `start` its hidden states, one per batch (the other arguments are the same for every
+    block and captured anew). block_done(index, block, next hidden states) is called after
+    each block, for a store to keep them.
     """
     blocks = model.get_submodule(blocks_path)
     home = next(blocks.parameters()).device  # where the model lives between uses
     inputs = capture_first_block_inputs(model, blocks, batches, device, batch_size)
-    bar = tqdm(blocks, desc="blocks", unit="block", disable=not show_progress)
-    for index, block in enumerate(bar):
+    if start_hidden is not None:
+        assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
+        inputs = [_with_hidden(args, kwargs, h.to(device)) for (args, kwargs), h in zip(inputs, start_hidden)]
+    bar = tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress)
+    for index in range(start, len(blocks)):
+        block = blocks[index]
         with _onloaded(block, device):
             run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
             original_outputs = run.outputs() if propagate == "original" else None
@@ -205,4 +217,12 @@ def run_blocks(
                 inputs = original_outputs
             else:
                 inputs = outputs if outputs is not None else run.outputs()
+        if block_done is not None:
+            block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
+        bar.update()
+    bar.close()
     _move_all_but_blocks(model, blocks, home)  # embeddings, final norm, head: back home
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]

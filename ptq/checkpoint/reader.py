@@ -4,58 +4,47 @@ The model skeleton is built from config.json with empty parameters (buffers such
 rotary frequencies are computed as usual), each Linear that a config group targets and
 `ignore` does not name becomes a QuantLinear of that group's scheme, and the stored
 tensors are assigned as they are: loading what ptq.save wrote is bit-exact.
+
+Nothing is trusted before it is checked: config.json and its quantization_config are
+validated, the safetensors headers and index are checked before the files are read, and
+every stored tensor must have the name, shape and dtype the config implies, hold no NaN
+or Inf, and have in-range group indices. Any inconsistency raises PtqError naming the
+checkpoint and the tensor or field.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import init_empty_weights
+from pydantic import ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
+from ptq.models import check_model_type
 from ptq.modules import QuantLinear
-from ptq.targets import matches
+from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
 from ptq.schemes import QuantArgs, Scheme
+from ptq.targets import matches, pattern_problem
 
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
 
 
-def read_tensors(folder: Path) -> dict[str, Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors: dict[str, Tensor] = {}
-    for filename in files:
-        tensors.update(load_file(folder / filename))
-    return tensors
+class Group(NamedTuple):
+    """One config group: which Linears it targets and how they are quantized."""
 
-
-def _args(data: dict | None) -> QuantArgs | None:
-    if data is None:
-        return None
-    fields = {k: data[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic") if k in data}
-    return QuantArgs(**fields)
-
-
-def _group_schemes(qconfig: dict) -> list[tuple[list[str], Scheme, str | None, str]]:
-    """Per config group: targets, scheme, activation order and weight observer (as recorded)."""
-    schemes = []
-    for name, group in qconfig["config_groups"].items():
-        fmt = group.get("format") or qconfig.get("format")
-        if fmt not in SUPPORTED_FORMATS:
-            raise PtqError(f"config group '{name}' has format '{fmt}'; ptq reads {', '.join(SUPPORTED_FORMATS)}")
-        scheme = Scheme(weights=_args(group["weights"]), input_activations=_args(group.get("input_activations")))
-        weights = group["weights"]
-        schemes.append((group["targets"], scheme, weights.get("actorder"), weights.get("observer") or "minmax"))
-    return schemes
+    name: str
+    targets: list[str]
+    scheme: Scheme
+    actorder: str | None  # as recorded
+    observer: str
 
 
 def load(
@@ -73,61 +62,241 @@ def load(
     reference elsewhere), "triton" or "torch".
     """
     if backend not in ("auto", "triton", "torch"):
-        raise PtqError(f"backend '{backend}' is not one of auto, triton, torch")
+        raise PtqError(f"backend '{shorten(backend)}' is not one of auto, triton, torch")
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise PtqError(f"'{folder}' is not a model folder (no config.json)")
-    raw = json.loads((folder / "config.json").read_text())
-    qconfig = raw.get("quantization_config")
-    if not qconfig or qconfig.get("quant_method") != "compressed-tensors":
-        raise PtqError(f"'{folder}' is not a compressed-tensors checkpoint (no such quantization_config)")
-    config = AutoConfig.from_pretrained(folder)
-    del config.quantization_config
-    device = torch.device(device)
-    stored_dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
-    dtype = dtype or compute_dtype_for(device, stored_dtype)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        return _load(folder, torch.device(device), dtype, backend)
+    except PtqError as error:
+        raise PtqError(f"checkpoint '{folder}': {error}") from None
+
+
+def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend: str) -> nn.Module:
+    raw, qconfig = _read_config(folder)
+    groups = group_schemes(qconfig)
+    ignore = _patterns(qconfig.get("ignore") or [], "quantization_config ignore")
+    dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
     tensors = read_tensors(folder)
-    ignore = qconfig.get("ignore") or []
-    groups = _group_schemes(qconfig)
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or matches(name, module, ignore):
-            continue
-        for targets, scheme, actorder, observer in groups:
-            if matches(name, module, targets):
-                quant = _empty_quant_linear(module, scheme, name, tensors)
-                quant.actorder = actorder
-                quant.observer = observer
-                quant.backend = backend
-                model.set_submodule(name, quant)
-                break
-    state = {k: (v.to(dtype) if _is_plain_float(k, v) else v) for k, v in tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise PtqError(
-            f"checkpoint '{folder}' does not match its config: missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
+    model = _skeleton(folder, dtype)
+    _replace_linears(model, groups, ignore, tensors, backend)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    state = _checked_state(model, tensors, tied, dtype)
+    _check_values(model, tensors)
+    model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
     return model.to(device).eval()
 
 
-def _is_plain_float(name: str, tensor: Tensor) -> bool:
-    return tensor.is_floating_point() and tensor.element_size() > 1 and not name.endswith(("_scale",))
+def _read_config(folder: Path) -> tuple[dict, dict]:
+    """config.json and its quantization_config, both JSON objects."""
+    if not (folder / "config.json").is_file():
+        raise PtqError("not a model folder (no config.json)")
+    raw = read_json_object(folder / "config.json", "config.json")
+    qconfig = raw.get("quantization_config")
+    if not isinstance(qconfig, dict) or qconfig.get("quant_method") != "compressed-tensors":
+        raise PtqError("not a compressed-tensors checkpoint (config.json has no such quantization_config)")
+    if "auto_map" in raw:
+        raise PtqError("it needs its own code (auto_map in config.json); ptq.load builds transformers' own models only")
+    check_model_type(raw)
+    return raw, qconfig
 
 
-def _empty_quant_linear(linear: nn.Linear, scheme: Scheme, name: str, tensors: dict[str, Tensor]) -> QuantLinear:
+def _stored_dtype(raw: dict) -> torch.dtype:
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+    stored = getattr(torch, name, None)
+    if not isinstance(stored, torch.dtype):
+        raise PtqError(f"config.json has dtype '{shorten(name)}', not a torch dtype such as bfloat16")
+    return stored
+
+
+def group_schemes(qconfig: dict) -> list[Group]:
+    """The config groups of a quantization_config, validated."""
+    groups = qconfig.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise PtqError("quantization_config has no config_groups (name -> targets, weights); re-create the checkpoint")
+    return [_group(str(name), group, qconfig.get("format")) for name, group in groups.items()]
+
+
+def _group(name: str, group: object, default_format: object) -> Group:
+    where = f"config group '{shorten(name)}'"
+    if not isinstance(group, dict):
+        raise PtqError(f"{where} is not a JSON object")
+    fmt = group.get("format") or default_format
+    if fmt not in SUPPORTED_FORMATS:
+        raise PtqError(f"{where} has format '{shorten(fmt)}'; ptq reads {', '.join(SUPPORTED_FORMATS)}")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise PtqError(f"{where} has no weights (num_bits, strategy, ...); ptq reads weight-quantized checkpoints")
+    scheme = _scheme(where, weights, group.get("input_activations"))
+    if scheme.format != fmt:
+        raise PtqError(f"{where} has format '{fmt}', but its weights and activations are stored as '{scheme.format}'")
+    targets = group.get("targets")
+    if not targets:
+        raise PtqError(f"{where} has no targets (e.g. [\"Linear\"])")
+    observer = weights.get("observer") or "minmax"
+    return Group(name, _patterns(targets, f"{where} targets"), scheme, weights.get("actorder"), observer)
+
+
+def _scheme(where: str, weights: dict, acts: object) -> Scheme:
+    if acts is not None and not isinstance(acts, dict):
+        raise PtqError(f"{where} input_activations is {shorten(acts)}, not an object or null")
+    try:
+        weights_args = _args(where, "weights", weights)
+        return Scheme(weights=weights_args, input_activations=_args(where, "input_activations", acts))
+    except ValidationError as error:
+        raise PtqError(f"{where}: {_first_error(error)}") from None
+
+
+def _args(where: str, field: str, data: dict | None) -> QuantArgs | None:
+    if data is None:
+        return None
+    try:
+        return QuantArgs(**{k: data[k] for k in ARG_FIELDS if k in data})
+    except ValidationError as error:
+        raise PtqError(f"{where} {field}: {_first_error(error)}") from None
+
+
+def _first_error(error: ValidationError) -> str:
+    """'field: what is wrong (got value)' for pydantic's first complaint."""
+    first = error.errors()[0]
+    message = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:
+        return message
+    return f"{'.'.join(map(str, first['loc']))}: {message} (got {shorten(repr(first.get('input')))})"
+
+
+def _patterns(patterns: object, where: str) -> list[str]:
+    """Target or ignore patterns: a list of strings whose 're:' regexes compile."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise PtqError(f"{where} is {shorten(patterns)}, not a list of module names, class names or re: patterns")
+    for pattern in patterns:
+        problem = pattern_problem(pattern)
+        if problem:
+            raise PtqError(f"{where}: {problem}")
+    return patterns
+
+
+def read_tensors(folder: Path) -> dict[str, Tensor]:
+    """Every stored tensor, after checking the safetensors headers (and the index)."""
+    files = weight_files(folder)
+    if not files:
+        raise PtqError("has no model.safetensors (or model.safetensors.index.json)")
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except SafetensorError as error:
+            raise PtqError(f"{file.name} is not a valid safetensors file ({shorten(error)})") from None
+    return tensors
+
+
+def _skeleton(folder: Path, dtype: torch.dtype) -> nn.Module:
+    """The model of config.json (without quantization_config), parameters empty."""
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        del config.quantization_config
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as error:
+        raise PtqError(f"config.json does not describe a model transformers can build ({first_line(error)})") from None
+
+
+def _replace_linears(
+    model: nn.Module, groups: list[Group], ignore: list[str], tensors: dict[str, Tensor], backend: str
+) -> None:
+    """Each Linear that a group targets (and ignore does not name) becomes a QuantLinear."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or matches(name, module, ignore):
+            continue
+        group = next((g for g in groups if matches(name, module, g.targets)), None)
+        if group is None:
+            continue
+        quant = _empty_quant_linear(module, group, name, tensors)
+        quant.actorder, quant.observer, quant.backend = group.actorder, group.observer, backend
+        model.set_submodule(name, quant)
+
+
+def _empty_quant_linear(linear: nn.Linear, group: Group, name: str, tensors: dict[str, Tensor]) -> QuantLinear:
     scale = tensors.get(f"{name}.weight_scale")
     if scale is None:
-        raise PtqError(f"checkpoint has no '{name}.weight_scale' although a config group targets '{name}'")
-    return QuantLinear(
-        linear.in_features,
-        linear.out_features,
-        scheme,
-        bias=linear.bias is not None,
-        scale_dtype=scale.dtype,
-        has_g_idx=f"{name}.weight_g_idx" in tensors,
-    )
+        raise PtqError(f"has no '{name}.weight_scale' although config group '{shorten(group.name)}' targets '{name}'")
+    try:
+        return QuantLinear(
+            linear.in_features,
+            linear.out_features,
+            group.scheme,
+            bias=linear.bias is not None,
+            scale_dtype=scale.dtype,
+            has_g_idx=f"{name}.weight_g_idx" in tensors,
+        )
+    except ValueError as error:  # a group size that does not divide in_features
+        raise PtqError(f"config group '{shorten(group.name)}' does not fit '{name}': {error}") from None
+
+
+def _checked_state(model: nn.Module, tensors: dict[str, Tensor], tied: set[str], dtype: torch.dtype) -> dict:
+    """The state dict to assign: the stored tensors, each checked against the name, shape
+    and dtype the model expects. QuantLinear buffers keep their stored dtypes (bit-exact);
+    other float tensors are converted to the compute dtype."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors) - tied)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        found = {"missing": missing, "unexpected": unexpected}
+        parts = [f"{what} {_some(names)}" for what, names in found.items() if names]
+        raise PtqError(f"the stored tensors do not match config.json: {'; '.join(parts)}")
+    buffers = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
+    state = {}
+    for key, want in expected.items():  # in model order: the first layer's problem is reported
+        if key not in tensors:
+            continue  # a tied weight
+        tensor = tensors[key]
+        if tensor.shape != want.shape:
+            raise PtqError(
+                f"tensor '{key}' has shape {list(tensor.shape)}, but config.json implies {list(want.shape)}; "
+                "the weights or the quantization_config were changed"
+            )
+        cast = key not in buffers and tensor.is_floating_point() and want.is_floating_point()
+        if not cast and tensor.dtype != want.dtype:
+            raise PtqError(f"tensor '{key}' is {tensor.dtype}, but config.json implies {want.dtype}")
+        state[key] = tensor.to(dtype) if cast else tensor
+    return state
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(f"'{shorten(name)}'" for name in names[:2])
+    return shown + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
+def _check_values(model: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """No NaN or Inf in any float tensor; QuantLinear shapes and group indices in range."""
+    for key, tensor in tensors.items():
+        if not _finite(tensor):
+            raise PtqError(f"tensor '{key}' holds NaN or Inf; the checkpoint is broken, re-create it")
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        shape = tensors.get(f"{name}.weight_shape")
+        if shape is not None and shape.tolist() != [module.out_features, module.in_features]:
+            raise PtqError(
+                f"tensor '{name}.weight_shape' is {shorten(shape.tolist())}, "
+                f"but the layer is [{module.out_features}, {module.in_features}]"
+            )
+        g_idx = tensors.get(f"{name}.weight_g_idx")
+        groups = module.weight_scale.shape[-1] if module.scheme.weights.strategy == "group" else 1
+        if g_idx is not None and g_idx.numel():
+            low, high = torch.aminmax(g_idx)
+            if low < 0 or high >= groups:
+                raise PtqError(
+                    f"tensor '{name}.weight_g_idx' holds group {int(low) if low < 0 else int(high)}, "
+                    f"outside 0..{groups - 1}; the checkpoint is broken"
+                )
+
+
+def _finite(tensor: Tensor) -> bool:
+    """Whether a float tensor holds no NaN or Inf (True for other dtypes); cheap: aminmax."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.element_size() == 1:  # fp8 has no aminmax kernel; float16 holds every fp8 value
+        tensor = tensor.to(torch.float16)
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))

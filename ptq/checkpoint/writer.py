@@ -2,23 +2,24 @@
 
 The folder holds config.json (with `quantization_config`), the weights as safetensors
 (sharded with model.safetensors.index.json past max_shard_bytes), the tokenizer, and
-recipe.yaml. Everything is written into a temporary folder beside the target and renamed
-into place at the end, so a failed save leaves nothing behind.
+recipe.yaml, and ptq.json (the manifest: the files written and the settings of the run).
+Everything is written into a work folder beside the target and renamed into place at the
+end, so a failed save leaves nothing behind (ptq.checkpoint.output).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 
@@ -121,48 +122,45 @@ def save(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Write the quantized model to `path` (a new folder) and return it."""
-    target = Path(path).resolve()
-    if target.exists() and not overwrite:
-        raise PtqError(f"output '{target}' already exists; choose another path or pass overwrite=True (--overwrite)")
+    """Write the quantized model to `path` (a new folder, or a ptq checkpoint to overwrite)
+    and return it. The source model's folder is never written to (see ptq.checkpoint.output)."""
+    target = Path(path)
+    source = local_folder(getattr(model.config, "_name_or_path", None))
+    check_output(target, overwrite=overwrite, sources=[source] if source else [])
+    quantization_config(model)  # raises for a model with nothing quantized, before any file
+    with claim_output(target) as slot:
+        write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+        slot.publish()
+    return target.resolve()
+
+
+def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write the checkpoint's files into the (empty) folder; its manifest last."""
     report = getattr(model, "ptq_report", None)
     dtype = report.checkpoint_dtype if report else model.config.dtype
-    qconfig = quantization_config(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config(model)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
     try:
-        config = model.config.to_dict()
-        config["quantization_config"] = qconfig
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        config.pop("torch_dtype", None)
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        write_weights(staging, checkpoint_tensors(model, dtype), max_shard_bytes)
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_weights(folder, checkpoint_tensors(model, dtype), max_shard_bytes)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+            tokenizer.save_pretrained(folder)
         if report is not None:
-            (staging / "recipe.yaml").write_text(report.recipe.to_yaml())
-        _move_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+            (folder / "recipe.yaml").write_text(report.recipe.to_yaml())
+        write_manifest(folder, run_settings(report))
+    except OSError as error:
+        raise PtqError(f"writing the checkpoint failed: {error.strerror or error} (in {folder})") from None
+    except SafetensorError as error:  # the weights' writer reports I/O errors (a full disk) this way
+        raise PtqError(f"writing the checkpoint failed: {str(error).split(': ', 1)[-1]} (in {folder})") from None
 
 
-def _publish_permissions(folder: Path) -> None:
-    """Give the staged files the modes a plain mkdir/open would (mkdtemp makes them private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
+def run_settings(report) -> dict:
+    """What decides the checkpoint's bits besides the recipe and the data, for the manifest."""
+    from ptq import __version__
 
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    _publish_permissions(staging)
-    if not target.exists():
-        staging.rename(target)
-        return
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    settings = {"ptq_version": __version__, "torch_version": torch.__version__}
+    if report is not None:
+        settings.update(report.settings())
+    return settings
