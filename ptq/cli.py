@@ -116,19 +116,6 @@ def _report_path(name: str) -> Path:
     return path
 
 
-def _check_windows(model, windows: torch.Tensor) -> None:
-    """Evaluation windows the model can read: ids inside its vocabulary, length within its context."""
-    config = model.config
-    longest = getattr(config, "max_position_embeddings", None)
-    if longest and windows.shape[1] > longest:
-        raise PtqError(f"--eval-seq-len {windows.shape[1]} is longer than the model's context of {longest} "
-                       "tokens; give a smaller --eval-seq-len")
-    vocab = getattr(config, "vocab_size", None)
-    if vocab and int(windows.max()) >= vocab:
-        raise PtqError(f"the evaluation text has token id {int(windows.max())}, outside the model's vocabulary "
-                       f"of {vocab}: the tokenizer does not belong to this model")
-
-
 def _source_signature(folder: Path | None) -> dict:
     """Sizes and times of the source model's files, so that a resume notices a changed model."""
     if folder is None:
@@ -180,6 +167,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 def _quantize_and_write(args, recipe, location, device, texts, store, slot) -> tuple:
     import ptq
     from ptq.checkpoint.writer import write_checkpoint
+    from ptq.evaluate import check_windows
     from ptq.pipeline import cast_parameters_, select_linears
     from ptq.report import size_of
 
@@ -188,7 +176,7 @@ def _quantize_and_write(args, recipe, location, device, texts, store, slot) -> t
     windows = None
     if eval_texts is not None:
         windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
-        _check_windows(model, windows)
+        check_windows(model, windows)  # before the work, not after it
     names = list(select_linears(model, recipe.weight_step))
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
@@ -247,6 +235,7 @@ def _write_json(path: Path, before, after, quality, report, peak) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import ptq
     from ptq.calibration.data import load_texts
+    from ptq.evaluate import check_windows
     from ptq.models import is_quantized_checkpoint, load_tokenizer, resolve_model_path
     from ptq.pipeline import cast_parameters_
 
@@ -264,7 +253,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model, tokenizer = load(args.model)
     reference = load(args.reference)[0] if args.reference else None
     windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
-    _check_windows(model, windows)
+    check_windows(model, windows, reference)
     result = ptq.evaluate(model, windows, reference=reference)
     print(f"perplexity: {result.perplexity:.3f} ({result.tokens:,} tokens, windows of {result.seq_len})")
     if reference is not None:

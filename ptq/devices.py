@@ -1,46 +1,66 @@
-"""Choosing the compute dtype for the device the work runs on.
+"""Choosing the compute dtype for the device the work runs on, and running ops on fixed threads.
 
-On an accelerator, the model's own 16-bit dtype. On a CPU it depends on the CPU: with
-AVX512-BF16 or AMX, bf16 matmuls run several times faster than float32 ones; without
-them (AVX2 only) bf16 runs several times slower. So ptq measures once per process
-(a few tens of milliseconds) instead of guessing from flags.
+On an accelerator, the model's own 16-bit dtype. On a CPU, bf16 only where torch runs bf16
+matmuls fast, which is a property of the CPU and of the torch build, read from them and
+never timed (a timing flips on a busy machine, and with it every result):
+
+- the CPU has AVX512-BF16 or AMX-BF16 instructions (AVX2-only CPUs run bf16 GEMMs several
+  times slower than float32 ones);
+- oneDNN, which runs torch's bf16 GEMMs on those instructions, is built in and enabled
+  (without it bf16 Linears fall back to ATen's reference kernels: about 3x slower here);
+- torch dispatches its own kernels at AVX512 level (ATEN_CPU_CAPABILITY=avx2 lowers it,
+  as on an AVX2 CPU; its bf16 elementwise kernels then lose their fast conversions).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import time
+from collections.abc import Iterator, Set
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names
+
+
+def bf16_is_fast(flags: Set[str], capability: str, onednn: bool) -> bool:
+    """True when bf16 matmuls beat float32 ones on a CPU with these instruction-set flags
+    (/proc/cpuinfo names), torch CPU capability (torch.backends.cpu.get_cpu_capability():
+    "AVX512", "AVX2", "DEFAULT", ...) and oneDNN available and enabled."""
+    return bool(BF16_FLAGS & flags) and capability.upper().startswith("AVX512") and onednn
+
+
+def cpuinfo_flags(cpuinfo: str) -> frozenset[str]:
+    """The instruction-set flags on the first "flags" line of /proc/cpuinfo's text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's bf16 instruction-set flags (a subset of BF16_FLAGS), from /proc/cpuinfo on
+    Linux and from torch's CPUID check (torch.cpu, private, in newer versions) elsewhere."""
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags |= cpuinfo_flags(cpuinfo.read_text(errors="replace"))
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # a mapping name -> bool
+    if capabilities is not None:
+        flags |= {name for name, value in capabilities().items() if value is True}
+    elif getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        flags.add("avx512_bf16")
+    return frozenset(flags & BF16_FLAGS)
+
+
 def cpu_bf16_is_fast() -> bool:
-    """True when a bf16 Linear on this CPU beats the same float32 Linear by a clear margin.
-
-    Each dtype's time is the fastest of several runs, so that a scheduling hiccup on a busy
-    machine cannot flip the choice (about 0.05 s in all). Where bf16 is far slower (a
-    reference kernel), its first run settles it, so the probe stays short there too.
-    """
-    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)  # F.linear(x, w), as a Linear runs
-
-    def fastest(dtype: torch.dtype, give_up_after: float = math.inf) -> float:
-        a, b = x.to(dtype), w.to(dtype)
-        start = time.perf_counter()
-        F.linear(a, b)  # warm up (kernel selection, thread pool)
-        if time.perf_counter() - start > give_up_after:
-            return math.inf
-        runs = []
-        for _ in range(5):
-            start = time.perf_counter()
-            F.linear(a, b)
-            runs.append(time.perf_counter() - start)
-        return min(runs)
-
-    float32 = fastest(torch.float32)
-    return fastest(torch.bfloat16, give_up_after=20 * float32 + 0.01) < 0.7 * float32
+    """bf16_is_fast for this CPU and the torch running now (oneDNN may be turned off at run
+    time: torch.backends.mkldnn.enabled = False)."""
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    return bf16_is_fast(cpu_flags(), torch.backends.cpu.get_cpu_capability(), onednn)
 
 
 @functools.cache
@@ -77,3 +97,19 @@ def compute_dtype_for(device: torch.device | str, model_dtype: torch.dtype) -> t
     if model_dtype == torch.bfloat16 and cpu_bf16_is_fast():
         return torch.bfloat16
     return torch.float32
+
+
+@contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """Run the block with torch's CPU ops on n threads, then restore the thread count.
+
+    For ops whose result depends on how many threads split the work: LAPACK's Cholesky
+    (MKL potrf) rounds differently on 1 and 2 threads. The count is process-wide: other
+    Python threads running torch ops meanwhile get n threads too.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

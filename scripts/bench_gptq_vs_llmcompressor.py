@@ -84,7 +84,7 @@ def ptq_worker(model_path: str, ids_path: str, out: str, options: dict) -> dict:
 
     slow_bf16_if_asked()
     start = time.perf_counter()
-    ids = torch.load(ids_path)
+    ids = torch.load(ids_path, weights_only=True)
     model, tokenizer = ptq.load_model(model_path)
     calibration = {"samples": ids.shape[0], "seq_len": ids.shape[1]}
     calibration.update({k: v for k, v in options.items() if k in ("true_sequential", "propagate")})

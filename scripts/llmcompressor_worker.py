@@ -47,7 +47,7 @@ def main() -> None:
     if os.environ.get("PTQ_BENCH_NO_FAST_BF16") == "1":  # the benchmark's --no-fast-bf16
         torch.backends.mkldnn.enabled = False
     start = time.perf_counter()
-    ids = torch.load(args.ids)
+    ids = torch.load(args.ids, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})

@@ -344,7 +344,7 @@ CLI_CASES: dict[str, tuple[Callable[[Env], list], str]] = {
     "eval-seq-len 0": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-seq-len", "0"), "--eval-seq-len"),
     "eval-windows -1": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-windows", "-1"), "--eval-windows"),
     "eval-windows not a number": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-windows", "many"), "not a whole number"),
-    "eval-seq-len beyond context": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-seq-len", "4096", "--eval-windows", "1"), "context"),
+    "eval-seq-len beyond context": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-seq-len", "4096", "--eval-windows", "1"), "positions"),
     "eval-text missing": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--eval-text", e.tmp / "none.txt"), "none.txt"),
     "device foo": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--device", "foo"), "not a device name"),
     "device meta": (lambda e: quantize("--recipe", "W4A16", "--model", e.model, "--output", "o", "--device", "meta"), "meta"),

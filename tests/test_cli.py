@@ -134,7 +134,8 @@ def test_python_dash_m(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"ptq: error: recipe file '{tmp_path / 'missing.yaml'}' not found; "
-                                                  "pass a YAML file (see recipes/) or a preset name"]
+                                                  "pass a YAML file (see recipes/) or a preset name (W4A16, W4A16_ASYM, W3A16, W8A16, W8A8, "
+                                                  "FP8, FP8_DYNAMIC)"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

@@ -18,6 +18,7 @@ point that the returned QuantizedWeight holds, and dequantized as `dequantize` d
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms.rtn import rtn
+from ptq.devices import cpu_threads
 from ptq.primitives import (
     FP8_DTYPE,
     FP8_MAX,
@@ -185,10 +187,13 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
     for lam in _damp_schedule(damp):
         diag.copy_(base).add_(mean * lam)
-        L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
-        if int(info) != 0:
-            continue
-        Linv = _inverse_lower(L)  # [in, in] lower
+        # on one CPU thread: LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round
+        # differently with the thread count, and GPTQ's rounding decisions amplify that
+        with cpu_threads(1) if H.device.type == "cpu" else contextlib.nullcontext():
+            L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
+            if int(info) != 0:
+                continue
+            Linv = _inverse_lower(L)  # [in, in] lower
         del L
         Hinv = Linv.flip((0, 1))  # [in, in] upper
         del Linv

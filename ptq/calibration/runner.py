@@ -206,21 +206,20 @@ def run_blocks(
     if start_hidden is not None:
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(device)) for (args, kwargs), h in zip(inputs, start_hidden)]
-    bar = tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress)
-    for index in range(start, len(blocks)):
-        block = blocks[index]
-        with _onloaded(block, device):
-            run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
-            original_outputs = run.outputs() if propagate == "original" else None
-            outputs = process(run)
-            if original_outputs is not None:
-                inputs = original_outputs
-            else:
-                inputs = outputs if outputs is not None else run.outputs()
-        if block_done is not None:
-            block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
-        bar.update()
-    bar.close()
+    with tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
+        for index in range(start, len(blocks)):
+            block = blocks[index]
+            with _onloaded(block, device):
+                run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
+                original_outputs = run.outputs() if propagate == "original" else None
+                outputs = process(run)
+                if original_outputs is not None:
+                    inputs = original_outputs
+                else:
+                    inputs = outputs if outputs is not None else run.outputs()
+            if block_done is not None:
+                block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
+            bar.update()
     _move_all_but_blocks(model, blocks, home)  # embeddings, final norm, head: back home
 
 

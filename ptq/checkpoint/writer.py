@@ -151,9 +151,10 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
             (folder / "recipe.yaml").write_text(report.recipe.to_yaml())
         write_manifest(folder, run_settings(report))
     except OSError as error:
-        raise PtqError(f"writing the checkpoint failed: {error.strerror or error} (in {folder})") from None
+        raise PtqError(f"writing the checkpoint failed: {error.strerror or error}; check the free space") from None
     except SafetensorError as error:  # the weights' writer reports I/O errors (a full disk) this way
-        raise PtqError(f"writing the checkpoint failed: {str(error).split(': ', 1)[-1]} (in {folder})") from None
+        reason = str(error).split("I/O error: ")[-1]
+        raise PtqError(f"writing the checkpoint failed: {reason}; check the free space") from None
 
 
 def run_settings(report) -> dict:

@@ -46,7 +46,7 @@ def test_config_and_files(tmp_path):
     model = quantized_tiny("W4A16_ASYM")
     ptq.save(model, tmp_path / "q")
     files = sorted(p.name for p in (tmp_path / "q").iterdir())
-    assert files == ["config.json", "model.safetensors", "recipe.yaml"]
+    assert files == ["config.json", "model.safetensors", "ptq.json", "recipe.yaml"]
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["ignore"] == ["lm_head"]
@@ -90,7 +90,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(writer, "write_weights", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(PtqError, match="writing the checkpoint failed: disk full"):
         ptq.save(model, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []
 
