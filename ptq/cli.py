@@ -128,7 +128,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     import ptq
     from ptq.calibration.data import load_texts
     from ptq.calibration.resume import BlockStore
-    from ptq.checkpoint.output import check_output, claim_output, local_folder
+    from ptq.checkpoint.output import check_output, claim_output, local_folder, work_folder
     from ptq.models import resolve_model_path
     from ptq.pipeline import uses_calibration_data
 
@@ -146,6 +146,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     if uses_calibration_data(recipe):
         texts = load_texts(cal.dataset, split=cal.split, text_column=cal.text_column, config_name=cal.config_name)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
+    if args.resume and not work_folder(output).exists():
+        print(f"note: --resume: no interrupted run for '{output}'; starting from the first block")
     with claim_output(output, resume=args.resume, command=args.command_line) as slot:
         store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
         try:

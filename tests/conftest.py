@@ -46,3 +46,12 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def bundled_path():
     return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def user_model_dir(tmp_path_factory, tokenizer):
+    """A random tiny Llama saved with the bundled tokenizer, as a user's model folder."""
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    tiny_model("llama").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

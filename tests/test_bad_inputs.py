@@ -30,11 +30,8 @@ GPTQ = "calibration: {samples: 2, seq_len: 64}\nsteps:\n  - gptq: {scheme: W4A16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("source") / "tiny"
-    tiny_model("llama").save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir(user_model_dir):
+    return user_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,9 @@ from ptq.cli import main
 from tests.conftest import tiny_model
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory, tokenizer):
-    """A random tiny Llama saved with the bundled tokenizer, as a user's model folder."""
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    tiny_model("llama").save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+@pytest.fixture
+def small_model(user_model_dir):
+    return user_model_dir
 
 
 def run_cli(capsys, *argv):
