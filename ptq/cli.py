@@ -199,7 +199,8 @@ def _print_summary(output, names, before, after, quality, report, report_path) -
     from ptq.report import peak_memory_bytes, summary_table
 
     print()
-    print(summary_table(before, after, quality, report.seconds, peak_memory_bytes()))
+    share = report.coverage.share if report.coverage else None
+    print(summary_table(before, after, quality, report.seconds, peak_memory_bytes(), share))
     for note in report.notes:
         print(f"note: {note}")
     print(f"\nwrote {output} ({len(names)} Linears quantized; quantize {report.seconds:.1f} s)")
@@ -223,6 +224,7 @@ def _write_json(path: Path, before, after, quality, report, peak) -> None:
         "timings": report.timings,
         "peak_memory_bytes": peak,
         "settings": report.settings(),
+        "share_quantized": report.coverage.share if report.coverage else None,
         "notes": report.notes,
     }
     temporary = path.with_name(f".{path.name}.tmp")

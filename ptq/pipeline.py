@@ -24,6 +24,7 @@ from ptq.calibration.resume import BlockStore, fingerprint
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
+from ptq.coverage import Coverage, coverage
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
@@ -39,6 +40,7 @@ class QuantizationReport:
     checkpoint_dtype: torch.dtype  # dtype of the source weights: scales and kept tensors use it
     compute_dtype: torch.dtype
     device: str = "cpu"  # the type of device the work ran on
+    coverage: Coverage | None = None  # share of the parameters quantized; large weights left as they are
     layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -121,6 +123,7 @@ def quantize(
     linears = select_linears(model, step)
     for transform in recipe.transforms:
         check_mappings(model, transform.mappings, transform.step_name)
+    planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
     calibrated = uses_calibration_data(recipe)
     if calibrated:  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
@@ -131,7 +134,8 @@ def quantize(
         )
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
-                                device.type)
+                                device.type, coverage=planned)
+    report.notes.extend(planned.notes())
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if calibrated:

@@ -80,6 +80,7 @@ def summary_table(
     quality: EvalResult | None,
     seconds: float,
     peak: dict[str, int],
+    share_quantized: float | None = None,
 ) -> str:
     """The closing table of `ptq quantize`."""
     rows = [
@@ -88,6 +89,8 @@ def summary_table(
         ("quantized Linears", _mb(before.linear_bytes), _mb(after.linear_bytes)),
         ("bits per weight (Linears, incl. scales)", f"{before.bits_per_weight:.2f}", f"{after.bits_per_weight:.2f}"),
     ]
+    if share_quantized is not None:
+        rows.append(("parameters quantized", "", f"{share_quantized:.1%}"))
     if quality is not None:
         rows += [
             (f"perplexity ({quality.tokens:,} held-out tokens, ctx {quality.seq_len})",
