@@ -126,7 +126,7 @@ def _source_signature(folder: Path | None) -> dict:
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     import ptq
-    from ptq.calibration.data import load_texts
+    from ptq.calibration.data import check_source, load_texts
     from ptq.calibration.resume import BlockStore
     from ptq.checkpoint.output import check_output, claim_output, local_folder, work_folder
     from ptq.models import resolve_model_path
@@ -142,16 +142,16 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     check_output(output, overwrite=args.overwrite, sources=[source] if source else [])
     report_path = _report_path(args.report_json) if args.report_json else None
     cal = recipe.calibration
-    texts = None  # read (and checked) before the model is loaded
-    if uses_calibration_data(recipe):
-        texts = load_texts(cal.dataset, split=cal.split, text_column=cal.text_column, config_name=cal.config_name)
+    if uses_calibration_data(recipe):  # checked here; ptq.quantize reads only as far as it needs
+        check_source(cal.dataset, split=cal.split, text_column=cal.text_column,
+                     messages_column=cal.messages_column, config_name=cal.config_name)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
     if args.resume and not work_folder(output).exists():
         print(f"note: --resume: no interrupted run for '{output}'; starting from the first block")
     with claim_output(output, resume=args.resume, command=args.command_line) as slot:
         store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
         try:
-            results = _quantize_and_write(args, recipe, location, device, (texts, eval_texts), store, slot)
+            results = _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
         except KeyboardInterrupt:
             if store.finished:
                 slot.keep = True
@@ -166,14 +166,13 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     _print_summary(output, *results, report_path)
 
 
-def _quantize_and_write(args, recipe, location, device, texts, store, slot) -> tuple:
+def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot) -> tuple:
     import ptq
     from ptq.checkpoint.writer import write_checkpoint
     from ptq.evaluate import check_windows
     from ptq.pipeline import cast_parameters_, select_linears
     from ptq.report import size_of
 
-    texts, eval_texts = texts
     model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
     windows = None
     if eval_texts is not None:
@@ -183,7 +182,7 @@ def _quantize_and_write(args, recipe, location, device, texts, store, slot) -> t
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
     reference = None if windows is None else copy.deepcopy(model)
-    ptq.quantize(model, recipe, tokenizer=tokenizer, data=texts, device=device, store=store)
+    ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
     report = model.ptq_report
     after = size_of(model, report.checkpoint_dtype, names)
     quality = None
