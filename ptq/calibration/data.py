@@ -1,167 +1,130 @@
 """Calibration and evaluation text, turned into token batches.
 
-Text sources: the bundled Python-documentation prose ("builtin", held-out part
-"builtin-eval"), a local .txt file (paragraphs split on blank lines) or .jsonl file (one
-object per line with a text column), or any `datasets` dataset by name or path. Texts are
-tokenized paragraph by paragraph (with the tokenizer's special tokens) into one stream,
-from which seeded random windows of seq_len tokens are drawn.
+Documents come from ptq.calibration.sources: the bundled text, .txt/.jsonl files,
+`datasets` datasets (streamed), datasets.Dataset/IterableDataset objects, or Python lists
+of texts, conversations or rows. The column read from rows: `text_column` if set (texts),
+else `messages_column` if set (conversations), else `messages` if the source has it, else
+`text` (details in that module). A text is tokenized with the tokenizer's special
+tokens; a conversation is rendered by the tokenizer's chat template
+(`apply_chat_template(messages, tokenize=False)`) and that text tokenized without adding
+special tokens (the template holds them). A tokenizer without a chat template and
+conversations: PtqError.
+
+How far a source is read: documents are read and tokenized in order into one stream until
+it holds stream_tokens(samples, seq_len) = max(4 x samples x seq_len, 2^20) tokens (the
+document that reaches it is kept whole), or the source ends; `samples` windows of seq_len
+tokens are then drawn from that stream at seeded random offsets. A big source is thus read
+only that far, from its start (shuffle a sorted source first), and the windows depend only
+on the source, the tokenizer, samples, seq_len and seed. The bundled text (530k tokens
+with the bundled tokenizer) is always read whole.
 """
 
 from __future__ import annotations
 
-import json
-import stat
-from collections.abc import Iterable
-from importlib import resources
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ptq.calibration.sources import (  # noqa: F401  (load_texts and friends: used from here)
+    BUILTIN,
+    Columns,
+    Conversation,
+    Document,
+    Located,
+    builtin_text,
+    check_source,
+    dataset_texts,
+    first_line,
+    given_documents,
+    load_texts,
+    shown,
+    source_documents,
+)
 from ptq.errors import PtqError
 
-BUILTIN = {"builtin": "calib.txt", "builtin-eval": "eval.txt"}
-TEXT_SUFFIXES = (".txt", ".md", ".rst")  # read as paragraphs split on blank lines
+STREAM_FACTOR = 4  # a stream holds 4x the tokens its windows take, for variety ...
+STREAM_FLOOR = 1 << 20  # ... and at least 2^20 tokens (about 4 MB of English text)
+CHUNK_DOCUMENTS, CHUNK_CHARS = 256, 1 << 20  # documents tokenized in one call, at most
 
 
-def _shown(value: object, limit: int = 80) -> str:
-    """A user value for a message, cut to `limit` characters."""
-    text = str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def stream_tokens(samples: int, seq_len: int) -> int:
+    """How many tokens calibration_batches reads from a source before it stops."""
+    return max(STREAM_FACTOR * samples * seq_len, STREAM_FLOOR)
 
 
-def builtin_text(name: str = "builtin") -> str:
-    return resources.files("ptq.calib_data").joinpath(BUILTIN[name]).read_text(encoding="utf-8")
+def token_stream(tokenizer: Any, texts: Iterable[Document], limit: int | None = None) -> Tensor:
+    """Documents tokenized and concatenated: int64 [tokens].
 
-
-def _paragraphs(text: str) -> list[str]:
-    return [p.strip() for p in text.split("\n\n") if p.strip()]
-
-
-def load_texts(
-    dataset: str = "builtin",
-    *,
-    split: str = "train",
-    text_column: str = "text",
-    config_name: str | None = None,
-) -> list[str]:
-    """The texts of a named source: builtin, builtin-eval, a .txt/.jsonl path, or a dataset.
-
-    Blank paragraphs and lines are skipped; a file with no text left is an error.
+    Texts with the tokenizer's special tokens, conversations through its chat template.
+    limit: stop after the document that brings the stream to `limit` tokens.
     """
-    if dataset in BUILTIN:
-        return _paragraphs(builtin_text(dataset))
-    path = Path(dataset)
-    if path.suffix not in (*TEXT_SUFFIXES, ".jsonl"):
-        return _datasets_texts(dataset, split, text_column, config_name)
-    text = _read_file(path)
-    texts = _jsonl_texts(path, text, text_column) if path.suffix == ".jsonl" else _paragraphs(text)
-    if not texts:
-        raise PtqError(f"calibration file '{_shown(path)}' has no text; give a file with some text in it")
-    return texts
+    return _token_stream(tokenizer, ((f"document {i}", doc) for i, doc in enumerate(texts)), limit)
 
 
-def _read_file(path: Path) -> str:
-    """A calibration file's UTF-8 text (without a byte-order mark); PtqError if unreadable."""
-    try:
-        info = path.stat()
-    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL in the name
-        raise PtqError(f"calibration file '{_shown(path)}' not found") from None
-    except OSError as error:  # e.g. a name too long
-        raise PtqError(f"cannot read calibration file '{_shown(path)}': {error.strerror or error}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise PtqError(f"calibration file '{_shown(path)}' is a directory, not a file; give a {path.suffix} file")
-    try:
-        return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
-    except OSError as error:  # PermissionError and the like
-        raise PtqError(f"cannot read calibration file '{_shown(path)}': {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
+def _token_stream(tokenizer: Any, documents: Iterable[Located], limit: int | None) -> Tensor:
+    pieces, total = [], 0
+    for chunk in _chunks(documents):
+        rows = _encode(tokenizer, chunk)
+        if limit is not None:
+            rows = _until(rows, limit - total)
+        pieces.append(torch.tensor([t for row in rows for t in row], dtype=torch.long))
+        total += len(pieces[-1])
+        if limit is not None and total >= limit:
+            break  # the documents are not read further
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
+
+def _until(rows: list[list[int]], tokens: int) -> list[list[int]]:
+    """The rows up to and including the one that brings their length to `tokens`."""
+    for i, row in enumerate(rows):
+        tokens -= len(row)
+        if tokens <= 0:
+            return rows[: i + 1]
+    return rows
+
+
+def _chunks(documents: Iterable[Located]) -> Iterator[list[Located]]:
+    """The documents in lists of at most CHUNK_DOCUMENTS, or about CHUNK_CHARS characters."""
+    chunk, chars = [], 0
+    for where, document in documents:
+        chunk.append((where, document))
+        chars += len(document) if isinstance(document, str) else sum(len(m["content"]) for m in document)
+        if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode(tokenizer: Any, chunk: list[Located]) -> list[list[int]]:
+    """Each document's token ids: texts with special tokens, rendered conversations without."""
+    chat = [not isinstance(document, str) for _, document in chunk]
+    texts = [_render(tokenizer, where, doc) if is_chat else doc for (where, doc), is_chat in zip(chunk, chat)]
+    ids: dict[int, list[int]] = {}
+    for kind in set(chat):
+        picked = [i for i, is_chat in enumerate(chat) if is_chat == kind]
+        rows = tokenizer([texts[i] for i in picked], add_special_tokens=not kind)["input_ids"]
+        ids.update(zip(picked, rows))
+    return [ids[i] for i in range(len(chunk))]
+
+
+def _render(tokenizer: Any, where: str, conversation: Conversation) -> str:
+    """A conversation as the tokenizer's chat template writes it; PtqError without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise PtqError(
-            f"calibration file '{_shown(path)}' is not UTF-8 text (byte offset {error.start}); convert it to UTF-8"
-        ) from None
-
-
-def _jsonl_texts(path: Path, text: str, text_column: str) -> list[str]:
-    """The non-blank strings of `text_column`, one JSON object per line; blank lines skipped."""
-    texts = []
-    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
-        if not line.strip():
-            continue
-        where = f"{_shown(path)}:{number}"
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError):  # JSONDecodeError, or an integer of over 4300 digits
-            raise PtqError(f"{where} is not a JSON object; a .jsonl file has one per line") from None
-        if not isinstance(row, dict):
-            raise PtqError(f"{where} is {_json_type(row)}, not a JSON object; a .jsonl file has one per line")
-        if text_column not in row:
-            raise PtqError(f"{where} has no '{_shown(text_column)}' field; set calibration.text_column")
-        value = row[text_column]
-        if not isinstance(value, str):
-            raise PtqError(
-                f"{where}: '{_shown(text_column)}' is {_json_type(value)}, not a string; "
-                "each line needs its text as a JSON string"
-            )
-        if value.strip():
-            texts.append(value)
-    return texts
-
-
-def _json_type(value: Any) -> str:
-    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
-             list: "a list", dict: "an object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _datasets_texts(name: str, split: str, text_column: str, config_name: str | None) -> list[str]:
-    import datasets
-
-    try:
-        data = datasets.load_dataset(name, config_name, split=split)
-    except Exception as error:  # datasets raises many types: report any as a user error
-        config = "" if config_name is None else f", config '{_shown(config_name)}'"
-        raise PtqError(
-            f"cannot load calibration dataset '{_shown(name)}' (split '{_shown(split)}'{config}): "
-            f"{type(error).__name__}: {_shown(str(error).splitlines()[0] if str(error) else '', 200)}; "
-            "use 'builtin', a .txt/.jsonl file, or a datasets name reachable from here"
-        ) from None
-    return dataset_texts(data, text_column)
-
-
-def dataset_texts(data: Any, text_column: str = "text") -> list[str]:
-    """The non-blank texts of a datasets.Dataset's text column.
-
-    None entries (a missing value in a string column) and blank strings are skipped;
-    anything else that is not a string (numbers, lists: not a text column) is an error.
-    """
-    if isinstance(data.column_names, dict):  # a DatasetDict: one list of columns per split
-        raise PtqError(
-            f"calibration data is a DatasetDict (splits: {', '.join(data.column_names)}); pick one split, e.g. data['train']"
+            f"calibration data holds conversations ({where}), but tokenizer '{shown(name)}' has no chat template; "
+            "give a text column or a tokenizer with one"
         )
-    if text_column not in data.column_names:
-        raise PtqError(
-            f"dataset has no column '{_shown(text_column)}' (columns: {_shown(', '.join(data.column_names), 200)}); "
-            "set calibration.text_column"
-        )
-    texts = []
-    for row, value in enumerate(data[text_column]):
-        if value is not None and not isinstance(value, str):
-            raise PtqError(
-                f"dataset column '{_shown(text_column)}' holds {type(value).__name__} values (row {row}), "
-                "not text; set calibration.text_column to a text column"
-            )
-        if value and value.strip():
-            texts.append(value)
-    if not texts:
-        raise PtqError(f"dataset column '{_shown(text_column)}' has no text (all entries are empty)")
-    return texts
-
-
-def token_stream(tokenizer: Any, texts: Iterable[str]) -> Tensor:
-    """All texts tokenized (with special tokens) and concatenated: int64 [tokens]."""
-    ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-    return torch.tensor([t for row in ids for t in row], dtype=torch.long)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception as error:  # a Jinja template raises what its author chose
+        raise PtqError(f"{where}: the chat template refused the conversation: {first_line(error)}") from None
+    if not isinstance(text, str):
+        raise PtqError(f"{where}: the chat template gave {type(text).__name__}, not text")
+    return text
 
 
 def sample_windows(stream: Tensor, samples: int, seq_len: int, seed: int) -> Tensor:
@@ -183,29 +146,34 @@ def calibration_batches(
     samples: int,
     seq_len: int,
     seed: int,
-    text_column: str = "text",
+    text_column: str | None = None,
+    messages_column: str | None = None,
     split: str = "train",
     config_name: str | None = None,
     vocab_size: int | None = None,
 ) -> Tensor:
     """Token windows [samples, seq_len] from any supported form of calibration data.
 
-    data: a list of strings, a datasets.Dataset, integer token-id tensors (used as they
-    are: 1-D [tokens] is one row, 2-D [rows, tokens]; an iterable of them is
-    concatenated), or a source name for `load_texts` (split, config_name and text_column
-    choose what of a dataset is read). vocab_size: the model's; token ids outside it are
-    refused.
+    data: a source name (see the module docstring; split and config_name choose what of a
+    dataset is read), a datasets.Dataset or IterableDataset, a list of texts, of
+    conversations (lists of {role, content}) or of rows (dicts; text_column and
+    messages_column choose the column as for files), or integer token-id tensors (used as
+    they are: 1-D [tokens] is one row, 2-D [rows, tokens]; an iterable of them is
+    concatenated). Text is read only as far as stream_tokens(samples, seq_len) tokens.
+    vocab_size: the model's; token ids outside it are refused.
     """
+    columns = Columns(text_column, messages_column)
     if not isinstance(data, (str, Tensor)) and not hasattr(data, "column_names"):
         data = _as_list(data)
     ids = _given_token_ids(data)
     if ids is None:
-        texts = None if isinstance(data, str) else _given_texts(data, text_column)
+        documents = None if isinstance(data, str) else given_documents(data, columns)
         if tokenizer is None:
             raise PtqError("calibration text needs a tokenizer: pass tokenizer=..., or give token-id tensors as data")
-        if texts is None:  # a source name, read once a tokenizer is known
-            texts = load_texts(data, split=split, text_column=text_column, config_name=config_name)
-        ids = sample_windows(token_stream(tokenizer, texts), samples, seq_len, seed)
+        if documents is None:  # a source name, read once a tokenizer is known
+            documents = source_documents(data, split, columns, config_name)
+        limit = None if isinstance(data, str) and data in BUILTIN else stream_tokens(samples, seq_len)
+        ids = sample_windows(_token_stream(tokenizer, documents, limit), samples, seq_len, seed)
     _check_vocabulary(ids, vocab_size)
     return ids
 
@@ -249,21 +217,6 @@ def _token_rows(ids: Tensor) -> Tensor:
     if ids.numel() == 0:
         raise PtqError(f"token-id tensor given as calibration data is empty (shape {list(ids.shape)})")
     return ids.long().reshape(-1, ids.shape[-1])
-
-
-def _given_texts(data: Any, text_column: str) -> list[str]:
-    """The non-blank texts of a datasets.Dataset or a list of strings; PtqError otherwise."""
-    if hasattr(data, "column_names"):
-        return dataset_texts(data, text_column)
-    kinds = sorted({type(item).__name__ for item in data})
-    if kinds != ["str"]:
-        raise PtqError(
-            f"calibration data must be all texts or all token-id tensors, not a list of {', '.join(kinds)}"
-        )
-    texts = [text for text in data if text.strip()]
-    if not texts:
-        raise PtqError("calibration texts are all empty; give some text")
-    return texts
 
 
 def _check_vocabulary(ids: Tensor, vocab_size: int | None) -> None:
