@@ -42,17 +42,19 @@ def cpuinfo_flags(cpuinfo: str) -> frozenset[str]:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's bf16 instruction-set flags (a subset of BF16_FLAGS), from /proc/cpuinfo on
-    Linux and from torch's CPUID check (torch.cpu, private, in newer versions) elsewhere."""
+    """This CPU's bf16 instruction sets, of BF16_FLAGS: from torch's CPUID check
+    (torch.cpu.get_capabilities in newer torch, the private _is_avx512_bf16_supported in
+    some older ones) and /proc/cpuinfo (Linux) where torch has no such check."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # name -> bool (or a size)
+    if capabilities is not None:
+        found = capabilities()
+        return frozenset(name for name in BF16_FLAGS if found.get(name) is True)
     flags = set()
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        flags.add("avx512_bf16")
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         flags |= cpuinfo_flags(cpuinfo.read_text(errors="replace"))
-    capabilities = getattr(torch.cpu, "get_capabilities", None)  # a mapping name -> bool
-    if capabilities is not None:
-        flags |= {name for name, value in capabilities().items() if value is True}
-    elif getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
-        flags.add("avx512_bf16")
     return frozenset(flags & BF16_FLAGS)
 
 
@@ -61,6 +63,18 @@ def cpu_bf16_is_fast() -> bool:
     time: torch.backends.mkldnn.enabled = False)."""
     onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
     return bf16_is_fast(cpu_flags(), torch.backends.cpu.get_cpu_capability(), onednn)
+
+
+def cpu_settings() -> dict[str, object]:
+    """What of this CPU and torch's set-up decides a CPU run's bits, for the checkpoint's
+    manifest: what chose the compute dtype, and the thread count (on larger models some
+    GEMMs of the forward pass split their sums by it; see cpu_threads)."""
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_flags": sorted(cpu_flags()),
+        "onednn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+        "threads": torch.get_num_threads(),
+    }
 
 
 @functools.cache
@@ -91,7 +105,7 @@ def split_bf16_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, 
 
 def compute_dtype_for(device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: the model's on an accelerator; on a CPU, bf16 for a bf16
-    model when the CPU has fast bf16 matmuls, else float32."""
+    model when the CPU has fast bf16 matmuls (cpu_bf16_is_fast), else float32."""
     if torch.device(device).type != "cpu":
         return model_dtype
     if model_dtype == torch.bfloat16 and cpu_bf16_is_fast():
@@ -104,8 +118,11 @@ def cpu_threads(n: int) -> Iterator[None]:
     """Run the block with torch's CPU ops on n threads, then restore the thread count.
 
     For ops whose result depends on how many threads split the work: LAPACK's Cholesky
-    (MKL potrf) rounds differently on 1 and 2 threads. The count is process-wide: other
-    Python threads running torch ops meanwhile get n threads too.
+    (MKL potrf) rounds differently on 1 and 2 threads. Not every op can be pinned so at a
+    small cost: the GEMMs of a forward pass (oneDNN bf16, MKL float32) split long sums by
+    thread count too, at 3 to 16 threads on Llama-sized layers (on the bundled model: only
+    bf16 at 8 threads). The count is process-wide: other Python threads running torch ops
+    meanwhile get n threads too.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(n)

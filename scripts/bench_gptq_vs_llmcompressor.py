@@ -12,7 +12,7 @@ bf16 matmuls, else float32).
 
 --no-fast-bf16 runs every worker as on a CPU without fast bf16 matmuls (AVX2 only, as the
 CPU the GPTQ issue was written on): oneDNN, torch's bf16 GEMM path here, is turned off,
-so bf16 Linears fall back to ATen's own kernels (ATEN_CPU_CAPABILITY=avx2). ptq's probe
+so bf16 Linears fall back to ATen's own kernels (ATEN_CPU_CAPABILITY=avx2). ptq's rule
 then picks float32; llm-compressor computes in the checkpoint's bf16.
 
 Models: the bundled trained model (quality: perplexity of each result on the held-out
