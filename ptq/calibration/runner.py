@@ -1,7 +1,9 @@
 """The layer-by-layer runner: calibration samples go through the model one block at a time.
 
-1. Capture the inputs of the first block: the model runs on each batch until a forward
-   pre-hook on block 0 stores its positional and keyword arguments and stops the pass.
+1. Capture the blocks' inputs: the model runs on each batch with every block replaced by
+   a recorder that stores its arguments and passes the hidden states on (the last one ends
+   the pass). Block 0's hidden states start the calibration; each block keeps its own
+   keyword arguments (masks and rotary tables differ between layer types).
 2. For each block: move it to the compute device, let the caller collect statistics from
    its Linears (hooks feed observers) and quantize it, run the samples through the
    (quantized) block to get the next block's inputs, move it back.
@@ -39,25 +41,49 @@ def run_until_stopped(module: nn.Module, *args, **kwargs) -> None:
         pass
 
 
+class _Recorder(nn.Module):
+    """Stands in for a block while its arguments are captured: records them and passes the
+    hidden states through (the last one ends the pass). Attributes the model's loop reads
+    from a block (Gemma 3's attention_type) come from the block it stands in for."""
+
+    def __init__(self, block: nn.Module, calls: list, last: bool):
+        super().__init__()
+        self.block, self.calls, self.last = block, calls, last
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.last:
+            raise _StopForward
+        return args[0] if args else kwargs["hidden_states"]
+
+
 @torch.no_grad()
-def capture_first_block_inputs(
+def capture_block_inputs(
     model: nn.Module, blocks: nn.ModuleList, batches: Tensor, device: torch.device, batch_size: int
-) -> Inputs:
-    """The arguments block 0 receives for each batch of token ids [samples, seq_len]."""
-    captured: Inputs = []
-
-    def store(_module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _StopForward
-
-    handle = blocks[0].register_forward_pre_hook(store, with_kwargs=True)
+) -> tuple[Inputs, list[list[dict]]]:
+    """For each batch of token ids [samples, seq_len]: the arguments block 0 receives, and
+    the keyword arguments every block receives ([batch][block]). They differ between blocks
+    where layer types differ (Gemma 3's sliding and full attention: masks, rotary tables)."""
+    calls: list[list] = [[] for _ in blocks]
+    originals = list(blocks)
+    for i, block in enumerate(originals):
+        blocks[i] = _Recorder(block, calls[i], last=i == len(originals) - 1)
     try:
-        _move_all_but_blocks(model, blocks, device)
+        _move_all_but_blocks(model, nn.ModuleList(originals), device)
         for batch in batches.split(batch_size):
             run_until_stopped(model, input_ids=batch.to(device), use_cache=False)
     finally:
-        handle.remove()
-    return captured
+        for i, block in enumerate(originals):
+            blocks[i] = block
+    first = calls[0]
+    per_block = [[calls[i][b][1] for i in range(len(originals))] for b in range(len(first))]
+    return first, per_block
 
 
 def _move_all_but_blocks(model: nn.Module, blocks: nn.ModuleList, device: torch.device) -> None:
@@ -202,13 +228,15 @@ def run_blocks(
     """
     blocks = model.get_submodule(blocks_path)
     home = next(blocks.parameters()).device  # where the model lives between uses
-    inputs = capture_first_block_inputs(model, blocks, batches, device, batch_size)
+    inputs, block_kwargs = capture_block_inputs(model, blocks, batches, device, batch_size)
     if start_hidden is not None:
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(device)) for (args, kwargs), h in zip(inputs, start_hidden)]
     with tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
         for index in range(start, len(blocks)):
             block = blocks[index]
+            inputs = [_with_hidden(args, kwargs[index], _hidden_of(args, kw))
+                      for (args, kw), kwargs in zip(inputs, block_kwargs)]  # this block's own kwargs
             with _onloaded(block, device):
                 run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
                 original_outputs = run.outputs() if propagate == "original" else None

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from ptq.arch import find_blocks
@@ -9,7 +10,7 @@ from ptq.calibration.observers import HessianObserver
 from ptq.devices import bf16_products_split_exactly, split_bf16_product
 from ptq.calibration.runner import run_blocks
 from ptq.calibration.sequential import execution_stages
-from tests.conftest import tiny_model
+from tests.conftest import tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
 
@@ -31,6 +32,25 @@ def test_blocks_see_the_model_hidden_states(family):
     for index, hidden in seen.items():
         # float32, same ops in the same order: the runner reproduces the model's own inputs
         torch.testing.assert_close(hidden, expected[index], atol=1e-5, rtol=1e-5)
+
+
+def test_each_block_gets_its_own_arguments():
+    """Gemma 3 alternates sliding-window and full attention: the layers get different masks
+    and rotary tables, so the runner must not hand block 0's arguments to every block."""
+    config = tiny_config("gemma3")
+    config.num_hidden_layers, config.sliding_window = 3, 4
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(0, 4096, (3, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    path, _ = find_blocks(model)
+    seen = {}
+    run_blocks(model, path, ids, lambda run: seen.update({run.index: torch.cat([a[0] for a, _ in run.inputs])}),
+               device=torch.device("cpu"), batch_size=2, show_progress=False)
+    for index in (1, 2):  # block 2's input is block 1's output: computed with full attention
+        torch.testing.assert_close(seen[index], expected[index], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
