@@ -1,15 +1,19 @@
 """Architecture knowledge as data: one table entry per model family, matched by class.
 
 An entry says where the stack of decoder blocks is, and which (previous op -> Linears)
-pairs inside a block can be smoothed (SmoothQuant, AWQ). Models of families not in the
-table still work for weight quantization: their blocks are found as the model's largest
-ModuleList of same-class modules. (Linears that read the same input are detected at run
-time by the calibration runner, so they need no entry.) Smoothing an unknown family needs
-mappings from the recipe (`mappings_from_patterns`; `check_mappings` checks them up front).
+pairs inside a block can be smoothed (SmoothQuant, AWQ); a family whose layout depends on
+its config (Falcon) has one entry per layout, chosen by config values. Models of families
+not in the table still work for weight quantization: their blocks are found as the
+model's largest ModuleList of same-class modules. (Linears that read the same input are
+detected at run time by the calibration runner, so they need no entry.) Smoothing an
+unknown family needs mappings from the recipe (`mappings_from_patterns`; `check_mappings`
+checks them up front).
 
 One generic engine (`resolve_mappings`) turns a table's block-relative names into the
-modules of a concrete block, and says in words why a mapping cannot be used there (a
-shape mismatch under grouped-query attention, a post-norm block, a norm without weight).
+modules of a concrete block, says how the scales fold into the previous op (a norm
+computing x̂·w or x̂·(1 + w), as Gemma's; a Linear, or one part of a fused Linear's outputs,
+as Phi-3's qkv_proj), and says in words why a mapping cannot be used there (a shape
+mismatch under grouped-query attention, a post-norm block, a norm without weight).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ptq.errors import PtqError
 from ptq.targets import matches, pattern_problem
@@ -36,28 +41,31 @@ class SmoothingMapping:
               the balance Linears that can be called on its own ("self_attn", "mlp", or the
               single balance Linear itself);
     requires: (attribute of the block, value) pairs that must hold for the pair to be
-              adjacent in the block's forward (e.g. OPT's pre-norm flag).
+              adjacent in the block's forward (e.g. OPT's pre-norm flag);
+    part:     (i, n) when smooth is a fused Linear whose outputs are n equal parts of which
+              the balance Linears read part i (Phi-3: v in qkv_proj is part 2 of 3).
     """
 
     smooth: str
     balance: tuple[str, ...]
     inspect: str
     requires: tuple[tuple[str, object], ...] = ()
+    part: tuple[int, int] | None = None
 
     def describe(self) -> str:
-        return f"{self.smooth} -> {', '.join(self.balance)}"
+        part = "" if self.part is None else f" (part {self.part[0] + 1} of {self.part[1]})"
+        return f"{self.smooth}{part} -> {', '.join(self.balance)}"
 
 
 @dataclass(frozen=True)
 class Architecture:
     blocks: str  # dotted path of the ModuleList of decoder blocks
     smoothing: tuple[SmoothingMapping, ...] = ()  # block-relative smoothable pairs
+    when: tuple[tuple[str, object], ...] = ()  # (model.config attribute, value) pairs of this layout
 
 
 _LLAMA_SMOOTHING = (
-    SmoothingMapping(
-        "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"
-    ),
+    SmoothingMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
     # valid only without grouped-query attention (v_proj's outputs == o_proj's inputs)
     SmoothingMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
     SmoothingMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
@@ -78,18 +86,62 @@ _OPT_SMOOTHING = (
     SmoothingMapping("final_layer_norm", ("fc1",), "fc1", requires=_OPT_PRE_NORM),
 )
 
-# Qwen3's q_norm/k_norm sit after q_proj/k_proj inside attention: they change no pair here
-_LLAMA_LIKE = Architecture(blocks="model.layers", smoothing=_LLAMA_SMOOTHING)
-_OPT = Architecture(blocks="model.decoder.layers", smoothing=_OPT_SMOOTHING)
+# Gemma 2 and 3 normalize each sublayer's output too (post_attention_layernorm acts on
+# o_proj's output): the MLP reads pre_feedforward_layernorm. Their norms compute x̂·(1 + w).
+_GEMMA2_SMOOTHING = (
+    _LLAMA_SMOOTHING[0],
+    _LLAMA_SMOOTHING[1],
+    SmoothingMapping("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    _LLAMA_SMOOTHING[3],
+)
 
-# transformers class name -> architecture. The classes are imported from transformers and
-# matched with isinstance, so subclasses inherit their parent's entry.
-FAMILIES: dict[str, Architecture] = {
+# Phi-3: q, k, v in one qkv_proj (v last) and gate, up in one gate_up_proj (up last). Only
+# with as many key/value heads as query heads (Phi-3-mini) is v a third of qkv_proj's rows.
+_PHI3_SMOOTHING = (
+    SmoothingMapping("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+    SmoothingMapping("self_attn.qkv_proj", ("self_attn.o_proj",), "self_attn.o_proj", part=(2, 3)),
+    SmoothingMapping("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+    SmoothingMapping("mlp.gate_up_proj", ("mlp.down_proj",), "mlp.down_proj", part=(1, 2)),
+)
+
+# Falcon's fused query_key_value (multi-query or grouped) and GELU MLP leave only the norms.
+_FALCON_QKV, _FALCON_UP = "self_attention.query_key_value", "mlp.dense_h_to_4h"
+_FALCON = (
+    # Falcon-40B/180B: one norm before attention, one before the MLP, both on the block input
+    Architecture("transformer.h", (
+        SmoothingMapping("ln_attn", (_FALCON_QKV,), "self_attention"),
+        SmoothingMapping("ln_mlp", (_FALCON_UP,), "mlp"),
+    ), when=(("new_decoder_architecture", True), ("num_ln_in_parallel_attn", 2))),
+    # falcon-rw: attention, then the MLP, each after its own norm
+    Architecture("transformer.h", (
+        SmoothingMapping("input_layernorm", (_FALCON_QKV,), "self_attention"),
+        SmoothingMapping("post_attention_layernorm", (_FALCON_UP,), "mlp"),
+    ), when=(("parallel_attn", False),)),
+    # Falcon-7B (and Falcon2-11B): one norm feeds attention and the MLP, which run in
+    # parallel; the smallest module holding both is the block itself ("")
+    Architecture("transformer.h", (SmoothingMapping("input_layernorm", (_FALCON_QKV, _FALCON_UP), ""),)),
+)
+
+# Qwen3's and Gemma 3's q_norm/k_norm sit after q_proj/k_proj inside attention: they
+# change no pair here
+_LLAMA_LIKE = (Architecture(blocks="model.layers", smoothing=_LLAMA_SMOOTHING),)
+
+# transformers class name -> its layouts, the first whose `when` holds for the model's
+# config. The classes are imported from transformers and matched with isinstance, so
+# subclasses inherit their parent's entry.
+FAMILIES: dict[str, tuple[Architecture, ...]] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
-    "OPTForCausalLM": _OPT,
+    "GemmaForCausalLM": _LLAMA_LIKE,  # Gemma 1: Llama's layout with x̂·(1 + w) norms
+    "Gemma2ForCausalLM": (Architecture("model.layers", _GEMMA2_SMOOTHING),),
+    "Gemma3ForCausalLM": (Architecture("model.layers", _GEMMA2_SMOOTHING),),
+    "Phi3ForCausalLM": (Architecture("model.layers", _PHI3_SMOOTHING),),
+    "OPTForCausalLM": (Architecture("model.decoder.layers", _OPT_SMOOTHING),),
+    "FalconForCausalLM": _FALCON,
+    # GPT-2's Linears are transformers Conv1D modules: refused by check_linear_layers
+    "GPT2LMHeadModel": (Architecture("transformer.h"),),
 }
 
 MAPPINGS_EXAMPLE = (
@@ -120,12 +172,33 @@ def _largest_block_list(model: nn.Module) -> str:
 
 
 def architecture_of(model: nn.Module) -> Architecture:
-    """The table entry of the model's family, or one discovered from its module tree."""
-    for name, architecture in FAMILIES.items():
+    """The table entry of the model's family and layout, or one discovered from its module tree."""
+    config = getattr(model, "config", None)
+    for name, layouts in FAMILIES.items():
         cls = _family_class(name)
         if cls is not None and isinstance(model, cls):
-            return architecture
+            for layout in layouts:
+                if all(getattr(config, key, None) == value for key, value in layout.when):
+                    return layout
     return Architecture(blocks=_largest_block_list(model))
+
+
+def check_linear_layers(model: nn.Module, targets: Sequence[str], ignore: Sequence[str]) -> None:
+    """PtqError if the step targets linear layers that are not nn.Linear: transformers' Conv1D
+    (GPT-2: weight [in, out]), when `targets` names Linear or matches them. compressed-tensors
+    quantizes nn.Linear only: transformers loads a quantized Conv1D with random weights (a warning)."""
+    hits = [
+        name for name, module in model.named_modules()
+        if isinstance(module, Conv1D) and ("Linear" in targets or matches(name, module, targets))
+        and not matches(name, module, ignore)
+    ]
+    if hits:
+        raise PtqError(
+            f"{type(model).__name__} computes with transformers Conv1D layers ({hits[0]} and "
+            f"{len(hits) - 1} more), not nn.Linear; compressed-tensors quantizes nn.Linear only, so "
+            "transformers could not load the checkpoint (it would come back with random weights): "
+            "ptq cannot quantize this model"
+        )
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -142,12 +215,15 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @dataclass(frozen=True)
 class ResolvedMapping:
-    """A SmoothingMapping whose names were found in one block, with the modules."""
+    """A SmoothingMapping whose names were found in one block, with the modules, and how the
+    scales fold into smooth (the arguments of ptq.algorithms.smoothquant.apply_smoothing_)."""
 
     mapping: SmoothingMapping
     smooth: nn.Module
     balance: tuple[nn.Linear, ...]
     inspect: nn.Module
+    rows: slice | None = None  # the output rows of a fused smooth Linear that are divided
+    weight_offset: float = 0.0  # 1.0 for norms computing x̂·(1 + w) (Gemma)
 
     @property
     def channels(self) -> int:
@@ -238,10 +314,10 @@ def _resolve(block: nn.Module, mapping: SmoothingMapping) -> ResolvedMapping | s
     if len(widths) != 1:
         return f"the balance Linears read different widths {sorted(widths)}"
     (width,) = widths
-    problem = smooth_problem(smooth, width)
-    if problem:
-        return f"{mapping.smooth}: {problem}"
-    return ResolvedMapping(mapping, smooth, balance, inspect)  # type: ignore[arg-type]
+    fold = smooth_fold(smooth, width, mapping.part)
+    if isinstance(fold, str):
+        return f"{mapping.smooth}: {fold}"
+    return ResolvedMapping(mapping, smooth, balance, inspect, *fold)  # type: ignore[arg-type]
 
 
 def _get(block: nn.Module, name: str) -> nn.Module | None:
@@ -251,43 +327,64 @@ def _get(block: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def smooth_problem(smooth: nn.Module, channels: int) -> str | None:
-    """Why dividing smooth's `channels` output channels by s would not be exact, or None.
+def smooth_problem(smooth: nn.Module, channels: int, part: tuple[int, int] | None = None) -> str | None:
+    """Why dividing smooth's `channels` output channels (of `part`) by s would not be exact, or None."""
+    fold = smooth_fold(smooth, channels, part)
+    return fold if isinstance(fold, str) else None
 
-    A Linear divides its rows (and bias). Any other module must be a norm-like op whose
-    output is proportional to a 1-D `weight` (plus a `bias`), as LayerNorm and the RMSNorms
-    of Llama, Qwen and Mistral are; this is checked by running a float32 copy on a probe
-    input, so norms computing x·(1 + w) (Gemma) are refused rather than silently broken.
+
+def smooth_fold(
+    smooth: nn.Module, channels: int, part: tuple[int, int] | None = None
+) -> tuple[slice | None, float] | str:
+    """How dividing smooth's `channels` output channels by s folds into it: (rows of a
+    Linear, weight offset of a norm), or why it cannot be done exactly.
+
+    A Linear divides its rows (and bias): all of them, or those of part (i, n) when its
+    outputs are n equal parts (a fused Linear). Any other module must be a norm-like op
+    whose output is proportional to a 1-D `weight` (LayerNorm, the RMSNorms of Llama, Qwen,
+    Mistral: offset 0) or to 1 + weight (Gemma: offset 1), plus a `bias`; this is checked by
+    running a float32 copy on a probe input, so other ops are refused rather than broken.
     """
     if isinstance(smooth, nn.Linear):
-        if smooth.out_features != channels:
+        count = 1 if part is None else part[1]
+        if smooth.out_features != count * channels:
+            if part is None:
+                return (
+                    f"it has {smooth.out_features} output channels but the balance Linears read "
+                    f"{channels} (e.g. grouped-query attention: fewer key/value heads than query heads)"
+                )
             return (
-                f"it has {smooth.out_features} output channels but the balance Linears read "
-                f"{channels} (e.g. grouped-query attention: fewer key/value heads than query heads)"
+                f"its {smooth.out_features} output channels are not {count} parts of the {channels} "
+                "the balance Linears read (e.g. grouped-query attention: fewer key/value heads than query heads)"
             )
-        return None
+        return (None if part is None else slice(part[0] * channels, (part[0] + 1) * channels)), 0.0
+    if part is not None:
+        return f"{type(smooth).__name__} is not a Linear, so it has no output parts"
     weight = getattr(smooth, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return f"{type(smooth).__name__} has no 1-D weight to fold the scales into"
     if weight.numel() != channels:
         return f"its weight has {weight.numel()} channels but the balance Linears read {channels}"
-    if not _output_scales_with_weight(smooth, channels):
-        return (
-            f"{type(smooth).__name__}'s output is not proportional to its weight "
-            "on a probe input (e.g. it computes x·(1 + w)), so scales cannot be folded into it"
-        )
-    return None
+    for offset in (0.0, 1.0):
+        if _output_scales_with_weight(smooth, channels, offset):
+            return None, offset
+    return (
+        f"{type(smooth).__name__}'s output is not proportional to its weight nor to 1 + weight "
+        "on a probe input, so scales cannot be folded into it"
+    )
 
 
 @torch.no_grad()
-def _output_scales_with_weight(norm: nn.Module, channels: int) -> bool:
+def _output_scales_with_weight(norm: nn.Module, channels: int, offset: float) -> bool:
+    """Whether norm's output scales by f when (offset + weight) and bias do, on a probe."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, channels, generator=g)  # [batch, seq, channels]
     factor = torch.rand(channels, generator=g) + 0.5  # [channels]
     try:
         probe = copy.deepcopy(norm).to(device="cpu", dtype=torch.float32)
+        probe.weight.copy_(torch.rand(channels, generator=g) + 0.5)  # whatever the model holds
         before = probe(x)
-        probe.weight.mul_(factor)
+        probe.weight.copy_((probe.weight + offset) * factor - offset)
         if getattr(probe, "bias", None) is not None:
             probe.bias.mul_(factor)
         after = probe(x)

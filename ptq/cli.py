@@ -168,6 +168,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 
 def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot) -> tuple:
     import ptq
+    from ptq import moe
     from ptq.checkpoint.writer import write_checkpoint
     from ptq.evaluate import check_windows
     from ptq.pipeline import cast_parameters_, select_linears
@@ -178,6 +179,7 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     if eval_texts is not None:
         windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
         check_windows(model, windows)  # before the work, not after it
+    moe.unfuse_experts_(model)  # one Linear per expert, as ptq.quantize would: the sizes count them
     names = list(select_linears(model, recipe.weight_step))
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)

@@ -31,6 +31,7 @@ def inject_outliers_(model: nn.Module, *, channels: int = 4, factor: float = 50.
             chosen = torch.randperm(m.channels, generator=generator)[:channels]
             scales = torch.ones(m.channels)
             scales[chosen] = 1.0 / factor  # the norm is divided by scales: multiplied by factor
-            apply_smoothing_(m.smooth, m.balance, scales.to(m.balance[0].weight.device))
+            apply_smoothing_(m.smooth, m.balance, scales.to(m.balance[0].weight.device),
+                             weight_offset=m.weight_offset)
             changed.append(f"{index}.{m.mapping.smooth}")
     return changed

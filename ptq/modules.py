@@ -8,14 +8,22 @@ loading is reading it back (bit-exact both ways):
 - "int-quantized" / "float-quantized" (8-bit weights with 8-bit activations): weight
   (int8 or float8_e4m3fn), weight_scale, and input_scale for static activations.
 
+Zero points are stored as compressed-tensors stores them (and vLLM reads them): int32,
+packed along the OUTPUT dimension, [ceil(out * bits / 32), groups] (see ptq.checkpoint.writer
+for what transformers' loader needs to be told about them).
+
 Two forward paths: the bundled Triton kernels (ptq.kernels) for CUDA tensors, and
 elsewhere the torch reference, which dequantizes the weight (and fake-quantizes the
 activations where the scheme quantizes them) in the input's dtype. `backend` forces one:
-"auto" (default), "triton" (also on the CPU under TRITON_INTERPRET=1) or "torch".
+"auto" (default), "triton" (also on the CPU under TRITON_INTERPRET=1) or "torch". "auto"
+takes the reference on CUDA too where no kernel fits: without triton (it is installed on
+Linux only), or for a scheme no kernel computes (5 to 7 weight bits).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ptq.errors import PtqError
 from ptq.packing import pack_int32, packed_width, unpack_int32
 from ptq.primitives import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize
 from ptq.schemes import QuantArgs, Scheme
@@ -128,7 +137,7 @@ class QuantLinear(nn.Module):
         return dequantize(qw.q, qw.scale, qw.zero, qw.g_idx)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernel_fits(self.scheme)):
             return self._forward_triton(x)
         acts = self.scheme.input_activations
         if acts is not None:
@@ -145,6 +154,8 @@ class QuantLinear(nn.Module):
     def _forward_triton(self, x: Tensor) -> Tensor:
         # imported here: triton reads TRITON_INTERPRET when the kernels are first decorated,
         # and a model that never runs them should not pay for importing them
+        if not triton_installed():
+            raise PtqError(TRITON_MISSING)
         from ptq import kernels
 
         w = self.scheme.weights
@@ -176,6 +187,30 @@ class QuantLinear(nn.Module):
         )
 
 
+TRITON_MISSING = (
+    "backend 'triton' needs the triton package, which is installed with ptq on Linux only "
+    "(pip install triton); use backend 'auto' or 'torch' for the torch reference"
+)
+KERNEL_BITS = (2, 3, 4, 8)  # the weight-only kernel's widths (ptq.kernels.SUPPORTED_BITS)
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_fits(scheme: Scheme) -> bool:
+    """Whether a bundled Triton kernel computes this scheme and triton is installed: the
+    weight-only kernel takes int weights of KERNEL_BITS per channel or group; the W8A8 ones
+    8-bit weights per channel or tensor with 8-bit activations of the same type."""
+    if not triton_installed():
+        return False
+    weights, acts = scheme.weights, scheme.input_activations
+    if acts is None:
+        return scheme.format == "pack-quantized" and weights.num_bits in KERNEL_BITS
+    return weights.num_bits == acts.num_bits == 8 and weights.strategy in ("channel", "tensor")
+
+
 @contextmanager
 def cached_weight(module: nn.Module) -> Iterator[None]:
     """Within the block, the QuantLinears in module dequantize their weights once instead
@@ -188,3 +223,66 @@ def cached_weight(module: nn.Module) -> Iterator[None]:
     finally:
         for m in quantized:
             m._cached = None
+
+
+class Expert(nn.Module):
+    """One routed expert of an MoE block: down(act(gate(x)) * up(x)).
+
+    Its three Linears (QuantLinears once quantized) sit under the names the checkpoint
+    uses for them (`names`: gate, up, down; e.g. gate_proj, up_proj, down_proj, or
+    Mixtral's w1, w3, w2), so the model's state dict has the checkpoint's tensor names.
+    """
+
+    def __init__(self, names: tuple[str, str, str], linears: tuple[nn.Module, nn.Module, nn.Module], act_fn: nn.Module):
+        super().__init__()
+        self.names = names
+        for name, linear in zip(names, linears):
+            self.add_module(name, linear)
+        self.act_fn = act_fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up, down = (getattr(self, name) for name in self.names)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class UnfusedExperts(nn.Module):
+    """The routed experts of an MoE block, one `Expert` each, in place of transformers'
+    fused experts module (ptq.moe builds it), with the fused module's forward: each token
+    goes through its top-k experts, whose outputs are summed with the routing weights.
+
+    all_tokens (calibration only, see ptq.moe.all_experts): every token also goes through
+    every expert, so each expert's Linears see all tokens; the output is still the routed
+    one (each expert's rows of its routed tokens, taken from that pass).
+    """
+
+    def __init__(self, experts: list[Expert], source: str):
+        super().__init__()
+        # children "0", "1", ... as in a ModuleList, which it is not: block discovery takes
+        # the largest ModuleList for the decoder blocks
+        for index, expert in enumerate(experts):
+            self.add_module(str(index), expert)
+        self.source = source  # class name of the fused module it replaces (its family in ptq.moe)
+        self.all_tokens = False
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> Expert:
+        return self._modules[str(index)]
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        # hidden_states [tokens, hidden]; top_k_index, top_k_weights [tokens, k]
+        final = torch.zeros_like(hidden_states)  # [tokens, hidden]
+        for index, expert in enumerate(self.children()):
+            # ordered as transformers' eager loop orders them: by top-k slot, then token
+            top_k_pos, token_idx = torch.where(top_k_index.t() == index)  # [n] each
+            if self.all_tokens:
+                out = expert(hidden_states)[token_idx]  # [n, hidden]
+            elif token_idx.numel():
+                out = expert(hidden_states[token_idx])  # [n, hidden]
+            else:
+                continue
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            # as index_add_ (a token picks an expert once), several times faster on a busy CPU
+            final[token_idx] += out.to(final.dtype)
+        return final

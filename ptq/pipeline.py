@@ -9,6 +9,7 @@ describing what was done. Nothing here prints (progress bars aside).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,21 +17,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ptq import moe
 from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
-from ptq.arch import check_mappings, find_blocks
+from ptq.arch import check_linear_layers, check_mappings, find_blocks, mappings_from_patterns
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.resume import BlockStore, fingerprint
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage
-from ptq.devices import compute_dtype_for
+from ptq.devices import compute_dtype_for, cpu_settings
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
-from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
+from ptq.recipe import GPTQStep, Recipe, TransformStep, WeightStep, load_recipe
 from ptq.smoothing import smooth_block_
 
 
@@ -41,6 +43,7 @@ class QuantizationReport:
     compute_dtype: torch.dtype
     device: str = "cpu"  # the type of device the work ran on
     coverage: Coverage | None = None  # share of the parameters quantized; large weights left as they are
+    cpu: dict = field(default_factory=dict)  # ptq.devices.cpu_settings() when a CPU run started
     layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -57,17 +60,20 @@ class QuantizationReport:
             "checkpoint_dtype": str(self.checkpoint_dtype).removeprefix("torch."),
             "device": self.device,
         }
-        if self.device == "cpu":
-            settings["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        settings.update(self.cpu)
         return settings
 
 
 def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:
-    """The nn.Linear modules the step targets and does not ignore, checked against its scheme."""
+    """The nn.Linear modules the step targets and does not ignore, checked against its scheme.
+    MoE routers (ptq.moe.router_names) are never chosen: they stay in 16 bits."""
+    check_linear_layers(model, step.targets, step.ignore)  # GPT-2's Conv1D: refused
+    routers = set(moe.router_names(model))
     chosen = {
         name: module
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
+        and name not in routers
         and matches(name, module, step.targets)
         and not matches(name, module, step.ignore)
     }
@@ -114,12 +120,15 @@ def quantize(
     dtype: the compute dtype; by default ptq.devices.compute_dtype_for(device, model dtype).
     store: keeps each finished block on disk and restores the blocks an earlier,
     interrupted run with the same recipe, data and dtypes finished (ptq.calibration.resume).
+    MoE experts fused by transformers are first split into one Linear per expert and
+    projection (ptq.moe; the model computes the same), also when a later check fails.
     """
     recipe = load_recipe(recipe)
     step = recipe.weight_step
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_finite(model)
+    moe.unfuse_experts_(model)
     linears = select_linears(model, step)
     for transform in recipe.transforms:
         check_mappings(model, transform.mappings, transform.step_name)
@@ -130,12 +139,16 @@ def quantize(
         batches = calibration_batches(
             tokenizer, cal.dataset if data is None else data,
             samples=cal.samples, seq_len=cal.seq_len, seed=cal.seed, text_column=cal.text_column,
+            messages_column=cal.messages_column,
             split=cal.split, config_name=cal.config_name, vocab_size=model.get_input_embeddings().num_embeddings,
         )
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
                                 device.type, coverage=planned)
+    if device.type == "cpu":
+        report.cpu = cpu_settings()
     report.notes.extend(planned.notes())
+    report.notes.extend(_moe_notes(model, step))
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if calibrated:
@@ -195,11 +208,93 @@ def _input_scale(absmax: torch.Tensor, step: WeightStep, dtype: torch.dtype) -> 
     return qparams_from_minmax(-peak, peak, acts, dtype)[0].reshape(1)
 
 
-def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report) -> None:
+def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report, how: str = "rtn") -> None:
     for name, linear in linears.items():
         qw = rtn(linear.weight.detach(), step.scheme.weights, report.checkpoint_dtype, step.observer)
         _replace(model, name, linear, qw, step)
-        report.layers[name] = "rtn"
+        report.layers[name] = how
+
+
+def _calibrate_groups(run: BlockRun, order: Stages, mine: dict, make_observer, quantize_stage,
+                      sequential: bool) -> list[str]:
+    """Observe a group of stages in one pass over the batches, then quantize its stages;
+    one group for the whole block, or (true-sequential) one per stage, each calibrated on
+    the outputs of the groups quantized before it. In an MoE block the experts' stages
+    join up (all gate/up, then all down: ptq.moe.sequential_groups). Returns the Linears
+    of the stages no batch reached (experts the router never chose), left unquantized."""
+    unreached: list[str] = []
+    if not sequential:
+        groups = [sum(order.stages, [])]
+    else:
+        groups = moe.sequential_groups(run.block, order.stages)
+    for i, group in enumerate(groups):
+        # a pass may stop before the next group, unless this one's Linears interleave with it (experts)
+        interleaved = moe.expert_of(run.block, group[0]) is not None
+        stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) and not interleaved else None
+        observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
+        members = set(group)
+        for stage in order.stages:  # Linears of one stage share their observer
+            if stage[0] not in members:
+                continue
+            if stage[0] in observers:
+                quantize_stage(stage, observers[stage[0]])
+            else:
+                unreached += stage
+    return unreached
+
+
+def _quantize_unrouted(model: nn.Module, run: BlockRun, linears: dict[str, nn.Linear], step: WeightStep,
+                       report) -> None:
+    """RTN for the Linears of experts no calibration token was routed to (GPTQ has no
+    Hessian for them), named in the notes expert by expert."""
+    _quantize_rtn(model, linears, step, report, how="rtn (fallback)")
+    prefix = run.name + "."
+    experts = {prefix + (moe.expert_of(run.block, name[len(prefix):]) or name[len(prefix):]) for name in linears}
+    names = ", ".join(sorted(experts, key=_natural))
+    report.notes.append(f"RTN (fallback) for experts no calibration token was routed to: {names}")
+
+
+def _natural(name: str) -> list:
+    """Sort key: numbers in names compare as numbers (experts.10 after experts.9)."""
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+def _router_safe(block: nn.Module, transform: TransformStep, report) -> TransformStep | None:
+    """The smoothing step without the recipe mappings that would rescale what an MoE
+    block's routers read (ptq.moe.router_reads: they stay in 16 bits, unscaled, so the
+    routing would change), each named in the notes; None when no mapping is left."""
+    if not transform.mappings or not moe.has_experts(block):
+        return transform
+    kept = []
+    for pattern in transform.mappings:
+        resolved = mappings_from_patterns(block, [pattern], what=transform.step_name)
+        unsafe = [(m, owner) for m in resolved if (owner := moe.router_reads(block, m.smooth, m.balance))]
+        for mapping, owner in unsafe:
+            note = (f"{transform.step_name} mapping {mapping.describe()} skipped: the routers of {owner} read "
+                    f"{mapping.smooth}'s output too, and they are not rescaled")
+            if note not in report.notes:
+                report.notes.append(note)
+        if not unsafe:
+            kept.append(pattern)
+    return transform.model_copy(update={"mappings": kept}) if kept else None
+
+
+def _moe_notes(model: nn.Module, step: WeightStep) -> list[str]:
+    """What the report says about MoE blocks: the routers kept in 16 bits, and a format
+    that transformers cannot read for experts."""
+    routers = moe.router_names(model)
+    if not routers:
+        return []
+    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.)", "*", name) for name in routers))
+    notes = [f"MoE routers kept in 16 bits (they choose the experts; {len(routers)} modules): {', '.join(patterns)}"]
+    asymmetric = not step.scheme.weights.symmetric
+    if asymmetric or (isinstance(step, GPTQStep) and step.actorder == "group"):
+        notes.append(
+            "MoE experts with " + ("zero points" if asymmetric else "activation-order groups (weight_g_idx)")
+            + ": transformers 5.24 drops them when it fuses the experts on load (ptq.load reads them); "
+            "a symmetric scheme without actorder group loads everywhere"
+        )
+    return notes
 
 
 def _quantize_with_calibration(
@@ -221,13 +316,17 @@ def _quantize_with_calibration(
         prefix = run.name + "."
         mine = {n[len(prefix):]: m for n, m in inside.items() if n.startswith(prefix)}
         key = (type(run.block), tuple(mine))
-        if key not in orders:
-            orders[key] = execution_stages(run, mine)
+        if key not in orders:  # MoE: every expert called, so that the order fits every block
+            with moe.all_experts(run.block, moe.has_experts(run.block)):
+                orders[key] = execution_stages(run, mine)
         order = orders[key]
         if order.never_called:
             _quantize_rtn(model, {prefix + n: mine.pop(n) for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
         for transform in recipe.transforms:
+            transform = _router_safe(run.block, transform, report)
+            if transform is None:
+                continue
             start = time.perf_counter()
             done, skipped = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype)
             report.add_time(f"{transform.step_name} search", time.perf_counter() - start)
@@ -245,17 +344,15 @@ def _quantize_with_calibration(
             return {name[len(prefix):]: module for name, module in modules.items()}
 
         start = time.perf_counter()
-        if cal.true_sequential and order.called_once:
-            outputs = quantize_block_sequentially(run, order, mine, make_observer, quantize_stage)
-        else:
-            outputs = None
-            groups = order.stages if cal.true_sequential else [sum(order.stages, [])]
-            for i, group in enumerate(groups):
-                stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) else None
-                observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
-                for stage in order.stages:  # Linears of one stage share their observer
-                    if stage[0] in group:
-                        quantize_stage(stage, observers[stage[0]])
+        outputs, unreached = None, []
+        # replaying recorded outputs needs every Linear called in every batch: routed experts are not
+        with moe.all_experts(run.block, cal.moe_calibrate_all_experts):
+            if cal.true_sequential and order.called_once and not moe.has_experts(run.block):
+                outputs = quantize_block_sequentially(run, order, mine, make_observer, quantize_stage)
+            else:
+                unreached = _calibrate_groups(run, order, mine, make_observer, quantize_stage, cal.true_sequential)
+        if unreached:
+            _quantize_unrouted(model, run, {prefix + rel: mine[rel] for rel in unreached}, step, report)
         report.add_time("calibration passes", time.perf_counter() - start)
         return outputs
 

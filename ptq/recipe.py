@@ -35,14 +35,30 @@ class Strict(BaseModel):
 
 
 class Calibration(Strict):
-    """Where calibration text comes from and how much of it to use."""
+    """Where calibration text comes from and how much of it to use.
+
+    The column read is text_column (texts) if set, else messages_column (conversations,
+    rendered by the tokenizer's chat template) if set, else 'messages' if the source has
+    that column, else 'text'. Text is read from the start of the source until the token
+    stream holds max(4 x samples x seq_len, 2^20) tokens (the bundled text: all of it);
+    the windows are drawn from that stream (ptq.calibration.data).
+    """
 
     dataset: str = Field(
         default="builtin", min_length=1, description="builtin, a .txt/.jsonl path, or a datasets name/path"
     )
     config_name: str | None = Field(default=None, min_length=1, description="the datasets configuration")
     split: str = Field(default="train", min_length=1, description="the datasets split")
-    text_column: str = Field(default="text", min_length=1, description="the column (.jsonl: field) of text")
+    text_column: str | None = Field(
+        default=None, min_length=1,
+        description="the column (.jsonl: field) of plain text; unset: 'messages' (conversations) if the source "
+        "has that column, else 'text'",
+    )
+    messages_column: str | None = Field(
+        default=None, min_length=1,
+        description="the column (.jsonl: field) of conversations, lists of {role, content}: each rendered by the "
+        "tokenizer's chat template; not with text_column",
+    )
     samples: int = Field(default=128, ge=1, le=100_000, description="windows of seq_len tokens, 1..100,000")
     seq_len: int = Field(default=512, ge=8, le=1 << 20, description="tokens per window, 8..1,048,576")
     seed: int = Field(default=0, ge=0, le=(1 << 64) - 1, description="window offsets' seed, 0..2**64-1 (torch's range)")
@@ -52,6 +68,19 @@ class Calibration(Strict):
     # quantize a block's Linears stage by stage (q/k/v, o, gate/up, down), each calibrated
     # on inputs that went through the stages already quantized
     true_sequential: bool = True
+    # MoE: every calibration token also goes through every expert, for statistics only (each
+    # expert's Hessian from all tokens; the block's output stays the routed one), as
+    # llm-compressor's "calibrate all experts"; off: each expert sees the tokens routed to it
+    moe_calibrate_all_experts: bool = False
+
+    @model_validator(mode="after")
+    def _one_column(self) -> Calibration:
+        if self.text_column is not None and self.messages_column is not None:
+            raise ValueError(
+                f"text_column ('{self.text_column}') and messages_column ('{self.messages_column}') are both set; "
+                "set the one column to read (text, or conversations for the chat template)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tokens(self) -> Calibration:
@@ -182,6 +211,12 @@ class GPTQStep(WeightStep):
             raise ValueError(
                 f"actorder 'group' orders the groups of strategy 'group', and the weights are per "
                 f"'{weights.strategy}'; use actorder 'static' (the same column order)"
+            )
+        if self.actorder == "group" and not weights.symmetric:
+            # see ptq.checkpoint.writer._transformers_load_settings
+            raise ValueError(
+                "actorder 'group' with asymmetric weights: transformers would load the checkpoint "
+                "without its group order (weight_g_idx); use actorder 'static' or symmetric weights"
             )
         return self
 

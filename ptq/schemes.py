@@ -1,14 +1,20 @@
 """Quantization schemes: what a tensor is quantized to, as typed and validated data.
 
 A `QuantArgs` says how one tensor (weights or input activations) is quantized; a `Scheme`
-pairs the two. The field names follow compressed-tensors' quantization args so that a
-scheme writes straight into a checkpoint's config. Presets carry the names users know.
+pairs the two. compressed-tensors defines the format: its QuantizationArgs and
+QuantizationScheme are what a checkpoint's config holds (`to_ct`, `from_ct` convert), and
+ptq's classes add the rules of what ptq can quantize and run (the kernels), checked on every
+scheme, ptq's own or read from a checkpoint. Presets carry the names users know: those
+compressed-tensors defines come from it.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from compressed_tensors.quantization import QuantizationArgs as CTArgs
+from compressed_tensors.quantization import QuantizationScheme as CTScheme
+from compressed_tensors.quantization import preset_name_to_scheme
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Strategy = Literal["tensor", "channel", "group", "token"]
@@ -53,20 +59,30 @@ class QuantArgs(BaseModel):
     def qmax(self) -> int:
         return (1 << (self.num_bits - 1)) - 1
 
-    def to_config(self, actorder: str | None = None, observer: str = "minmax") -> dict:
-        """The compressed-tensors quantization-args dict for this tensor."""
-        return {
-            "num_bits": self.num_bits,
-            "type": self.type,
-            "symmetric": self.symmetric,
-            "strategy": self.strategy,
-            "group_size": self.group_size,
-            "block_structure": None,
-            "dynamic": self.dynamic,
-            "actorder": actorder,
-            "observer": None if self.dynamic else observer,
-            "observer_kwargs": {},
-        }
+    def to_ct(self, actorder: str | None = None, observer: str = "minmax") -> CTArgs:
+        """compressed-tensors' quantization args for this tensor, as a checkpoint's config holds them
+        (actorder and observer are recorded there; dynamic scales have no observer)."""
+        return CTArgs(
+            num_bits=self.num_bits, type=self.type, symmetric=self.symmetric, strategy=self.strategy,
+            group_size=self.group_size, dynamic=self.dynamic, actorder=actorder,
+            observer=None if self.dynamic else observer,
+        )
+
+    @classmethod
+    def from_ct(cls, args: CTArgs) -> QuantArgs:
+        """ptq's args for compressed-tensors' (raises pydantic's ValidationError where ptq cannot
+        quantize or run them). compressed-tensors writes group_size -1 for 'channel'."""
+        group_size = args.group_size if args.group_size is not None and args.group_size > 0 else None
+        return cls(
+            num_bits=args.num_bits, type=ct_value(args.type), symmetric=args.symmetric,
+            strategy=ct_value(args.strategy), group_size=group_size, dynamic=ct_value(args.dynamic),
+        )
+
+
+def ct_value(field: object) -> object:
+    """The value of a compressed-tensors enum field ('group' for QuantizationStrategy.GROUP):
+    its validators leave some fields as enum members."""
+    return getattr(field, "value", field)
 
 
 class Scheme(BaseModel):
@@ -86,6 +102,29 @@ class Scheme(BaseModel):
         if problem:
             raise ValueError(problem)
         return self
+
+    def to_ct(self, targets: list[str], actorder: str | None = None, observer: str = "minmax") -> CTScheme:
+        """compressed-tensors' scheme for the Linears `targets` names: a checkpoint's config group."""
+        acts = self.input_activations
+        return CTScheme(
+            targets=targets,
+            weights=self.weights.to_ct(actorder, observer),
+            input_activations=None if acts is None else acts.to_ct(),
+            format=self.format,
+        )
+
+    @classmethod
+    def from_ct(cls, scheme: CTScheme) -> Scheme:
+        """ptq's scheme for compressed-tensors' (ValueError where ptq cannot quantize or run it)."""
+        if scheme.weights is None:
+            raise ValueError("the scheme quantizes no weights; ptq reads weight-quantized schemes")
+        if scheme.output_activations is not None:
+            raise ValueError("the scheme quantizes output activations, which ptq does not run")
+        acts = scheme.input_activations
+        return cls(
+            weights=QuantArgs.from_ct(scheme.weights),
+            input_activations=None if acts is None else QuantArgs.from_ct(acts),
+        )
 
     @property
     def format(self) -> str:
@@ -133,28 +172,21 @@ def _w8a8_problem(weights: QuantArgs, acts: QuantArgs) -> str | None:
     return None
 
 
-def _int_weights(bits: int, group_size: int | None, symmetric: bool = True) -> QuantArgs:
-    strategy = "group" if group_size else "channel"
-    return QuantArgs(num_bits=bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
+def _ct_preset(name: str) -> Scheme:
+    return Scheme.from_ct(preset_name_to_scheme(name, ["Linear"]))
 
 
+# W8A16 is ptq's own: one scale per output channel, as compressed-tensors defined it up to
+# 0.15; from 0.16 its W8A16 has groups of 128. The rest are compressed-tensors' presets
+# (tests/test_schemes.py pins what each one is).
 PRESETS: dict[str, Scheme] = {
-    "W4A16": Scheme(weights=_int_weights(4, 128)),
-    "W4A16_ASYM": Scheme(weights=_int_weights(4, 128, symmetric=False)),
-    "W3A16": Scheme(weights=_int_weights(3, 128)),
-    "W8A16": Scheme(weights=_int_weights(8, None)),
-    "W8A8": Scheme(
-        weights=_int_weights(8, None),
-        input_activations=QuantArgs(num_bits=8, strategy="token", dynamic=True),
-    ),
-    "FP8": Scheme(
-        weights=QuantArgs(num_bits=8, type="float", strategy="tensor"),
-        input_activations=QuantArgs(num_bits=8, type="float", strategy="tensor"),
-    ),
-    "FP8_DYNAMIC": Scheme(
-        weights=QuantArgs(num_bits=8, type="float", strategy="channel"),
-        input_activations=QuantArgs(num_bits=8, type="float", strategy="token", dynamic=True),
-    ),
+    "W4A16": _ct_preset("W4A16"),  # int4, groups of 128, symmetric
+    "W4A16_ASYM": _ct_preset("W4A16_ASYM"),  # the same with a zero point per group
+    "W3A16": _ct_preset("W3A16"),  # int3, groups of 128
+    "W8A16": Scheme(weights=QuantArgs(num_bits=8, strategy="channel")),  # int8 per channel
+    "W8A8": _ct_preset("W8A8"),  # int8 per channel; int8 activations per token, dynamic
+    "FP8": _ct_preset("FP8"),  # fp8 e4m3 per tensor; static per-tensor fp8 activations
+    "FP8_DYNAMIC": _ct_preset("FP8_DYNAMIC"),  # fp8 per channel; dynamic per-token fp8 activations
 }
 
 

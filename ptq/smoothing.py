@@ -20,7 +20,8 @@ from ptq.calibration.runner import BlockRun
 from ptq.recipe import AWQStep, SmoothQuantStep, TransformStep
 from ptq.schemes import QuantArgs
 
-NO_CLIP = ("q_proj", "k_proj")  # their errors are amplified by the attention scores: keep ranges
+# their errors are amplified by the attention scores: keep ranges (also of fused q/k/v Linears)
+NO_CLIP = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
 
 
 def smooth_block_(
@@ -45,7 +46,7 @@ def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQu
     for m in mappings:
         absmax = observers[m.mapping.balance[0]].value  # [in]
         scales = smoothquant_scales(absmax, [b.weight for b in m.balance], step.alpha)
-        apply_smoothing_(m.smooth, m.balance, scales)
+        apply_smoothing_(m.smooth, m.balance, scales, rows=m.rows, weight_offset=m.weight_offset)
         done[m.mapping.describe()] = f"smoothquant alpha {step.alpha}"
     return done
 
@@ -71,7 +72,7 @@ def _awq_(
         x_mean = observers[m.mapping.balance[0]].value
         result = awq_search(x_mean, [b.weight for b in m.balance], loss, args=args, n_grid=step.n_grid,
                             duo_scaling=step.duo_scaling)
-        apply_awq_(m.smooth, m.balance, result.scales)
+        apply_awq_(m.smooth, m.balance, result.scales, rows=m.rows, weight_offset=m.weight_offset)
         ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
         done[m.mapping.describe()] = f"awq ratio {ratio}, output error -{100 * gain:.0f}%"

@@ -29,7 +29,36 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
         return transformers.Qwen3Config(intermediate_size=256, num_key_value_heads=2, head_dim=32, **common)
     if family == "opt":
         return transformers.OPTConfig(ffn_dim=256, word_embed_proj_dim=128, **common)
+    more = _more_families(common)
+    if family in more:
+        return more[family]()
     raise ValueError(family)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+
+
+def _more_families(common: dict) -> dict:
+    """The other dense families users run, each shaped as its released models (hidden 128)."""
+    gqa = dict(intermediate_size=256, num_key_value_heads=2)
+    gemma = dict(gqa, head_dim=32, query_pre_attn_scalar=32, sliding_window=512)  # windows cover the tests
+    heads = dict(n_embd=128, n_layer=2, n_head=4, n_positions=512, vocab_size=VOCAB)
+    return {
+        # Llama 3.2: llama3 rope scaling, embeddings tied to the head
+        "llama3": lambda: transformers.LlamaConfig(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True,
+                                                   **gqa, **common),
+        "mistral": lambda: transformers.MistralConfig(**gqa, **common),
+        "qwen2.5": lambda: transformers.Qwen2Config(tie_word_embeddings=True, **gqa, **common),  # 0.5B-3B tie
+        "gemma2": lambda: transformers.Gemma2Config(**gemma, **common),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**gemma, **common),
+        # Phi-3-mini: fused qkv_proj and gate_up_proj, as many key/value heads as query heads
+        "phi3": lambda: transformers.Phi3Config(intermediate_size=256, num_key_value_heads=4, pad_token_id=0,
+                                                bos_token_id=1, eos_token_id=2, **common),
+        # Falcon-7B: multi-query attention, attention and MLP in parallel after one norm
+        "falcon": lambda: transformers.FalconConfig(ffn_hidden_size=256, bos_token_id=1, eos_token_id=2, **common),
+        "gpt2": lambda: transformers.GPT2Config(n_inner=256, bos_token_id=1, eos_token_id=2, **heads),
+    }
 
 
 def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.bfloat16):

@@ -11,15 +11,18 @@ import torch
 import transformers
 from torch import nn
 
+from ptq.algorithms.smoothquant import apply_smoothing_
 from ptq.arch import (
     ResolvedMapping,
     SmoothingMapping,
     architecture_of,
     block_mappings,
+    check_linear_layers,
     check_mappings,
     find_blocks,
     mappings_from_patterns,
     resolve_mappings,
+    smooth_fold,
     smooth_problem,
     smoothing_mappings,
 )
@@ -32,6 +35,9 @@ def tiny(family: str, kv_heads: int = 2, **extra) -> nn.Module:
     """hidden 128, 2 layers, 4 heads (kv_heads key/value heads), intermediate 256, vocab 512."""
     common = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=128, **extra)
+    gemma = dict(intermediate_size=256, num_key_value_heads=kv_heads, head_dim=32, query_pre_attn_scalar=32,
+                 **common)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config = {
         "llama": lambda: transformers.LlamaConfig(intermediate_size=256, num_key_value_heads=kv_heads, **common),
         "mistral": lambda: transformers.MistralConfig(intermediate_size=256, num_key_value_heads=kv_heads, **common),
@@ -39,6 +45,13 @@ def tiny(family: str, kv_heads: int = 2, **extra) -> nn.Module:
         "qwen3": lambda: transformers.Qwen3Config(intermediate_size=256, num_key_value_heads=kv_heads,
                                                   head_dim=32, **common),
         "opt": lambda: transformers.OPTConfig(ffn_dim=256, word_embed_proj_dim=128, **common),
+        "gemma": lambda: transformers.GemmaConfig(**gemma),
+        "gemma2": lambda: transformers.Gemma2Config(**gemma),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**gemma),
+        "phi3": lambda: transformers.Phi3Config(intermediate_size=256, num_key_value_heads=kv_heads, **ids, **common),
+        "falcon": lambda: transformers.FalconConfig(ffn_hidden_size=256, **ids, **common),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=128, vocab_size=512,
+                                                n_inner=256, bos_token_id=1, eos_token_id=2),
     }[family]()
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -106,21 +119,54 @@ def test_opt_post_norm_and_weightless_norms_are_skipped_with_reasons():
 
 
 class _GemmaLikeNorm(nn.Module):
-    """x̂ · (1 + w): scaling w does not scale the output."""
+    """x̂ · (offset + w): scaling w does not scale the output unless offset is 0."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, offset: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n))
+        self.offset = offset
 
     def forward(self, x):
-        return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + self.weight)
+        return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (self.offset + self.weight)
 
 
-def test_norms_whose_output_is_not_proportional_to_weight_are_refused():
-    assert smooth_problem(nn.LayerNorm(16), 16) is None
-    assert smooth_problem(nn.RMSNorm(16), 16) is None
-    assert "not proportional" in smooth_problem(_GemmaLikeNorm(16), 16)
+def test_norms_fold_into_w_or_one_plus_w_and_others_are_refused():
+    assert smooth_fold(nn.LayerNorm(16), 16) == (None, 0.0)
+    assert smooth_fold(nn.RMSNorm(16), 16) == (None, 0.0)
+    assert smooth_fold(_GemmaLikeNorm(16), 16) == (None, 1.0)  # Gemma: (1 + w) is divided
+    assert smooth_problem(_GemmaLikeNorm(16), 16) is None
+    assert "not proportional to its weight nor to 1 + weight" in smooth_problem(_GemmaLikeNorm(16, offset=2.0), 16)
     assert "16 channels" in smooth_problem(nn.LayerNorm(16), 32)
+    assert "not a Linear" in smooth_problem(nn.LayerNorm(16), 16, part=(0, 2))
+
+
+def test_a_gemma_norm_divided_by_s_is_exact():
+    norm, linear = _GemmaLikeNorm(16), nn.Linear(16, 8)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, weight = torch.randn(4, 16), norm.weight.detach().clone()
+    before = linear(norm(x))
+    scales = torch.randn(16).exp()
+    apply_smoothing_(norm, [linear], scales, weight_offset=1.0)
+    torch.testing.assert_close(norm.weight.detach(), (1 + weight) / scales - 1)  # w' = (1 + w)/s − 1
+    torch.testing.assert_close(linear(norm(x)), before, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_linear_divides_only_the_part_the_balance_reads():
+    fused, down = nn.Linear(8, 2 * 16), nn.Linear(16, 8)  # rows: [gate; up], down reads up · act(gate)
+    x = torch.randn(4, 8)
+
+    def forward():
+        gate, up = fused(x).chunk(2, dim=-1)
+        return down(up * torch.nn.functional.silu(gate))
+
+    before, gate_rows = forward(), fused.weight[:16].clone()
+    rows, offset = smooth_fold(fused, 16, part=(1, 2))
+    assert (rows, offset) == (slice(16, 32), 0.0)
+    apply_smoothing_(fused, [down], torch.randn(16).exp(), rows=rows)
+    assert torch.equal(fused.weight[:16], gate_rows)
+    torch.testing.assert_close(forward(), before, atol=1e-5, rtol=1e-5)
+    assert "are not 3 parts of the 16" in smooth_problem(fused, 16, part=(2, 3))
 
 
 class _Block(nn.Module):
@@ -270,3 +316,120 @@ def test_quantize_refuses_recipe_mappings_with_a_typo():
     with pytest.raises(PtqError, match="smoothquant mapping 0 .*: balance pattern 'q_prj' matches no Linear in "
                                        "LlamaDecoderLayer; check the names"):
         quantize(tiny("llama"), recipe(["q_prj"]), data=data, device="cpu", show_progress=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Gemma, Phi-3, Falcon, GPT-2
+
+MLP_PAIRS = [("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")]
+F_QKV, F_UP = "self_attention.query_key_value", "mlp.dense_h_to_4h"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_tables_smooth_the_pre_feedforward_norm_through_one_plus_w(family):
+    model = tiny(family, kv_heads=2)
+    usable, skipped = block_mappings(model, find_blocks(model)[1][0])
+    assert names(usable) == [
+        ("input_layernorm", QKV, "self_attn"),
+        ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),  # not post_attention_layernorm
+        *MLP_PAIRS,
+    ]
+    assert [m.weight_offset for m in usable] == [1.0, 1.0, 0.0]  # the norms compute x̂·(1 + w)
+    assert len(skipped) == 1 and "grouped-query attention" in skipped[0]
+
+
+def test_phi3_table_divides_one_part_of_the_fused_linears():
+    model = tiny("phi3", kv_heads=4)  # Phi-3-mini: as many key/value heads as query heads
+    usable, skipped = block_mappings(model, find_blocks(model)[1][0])
+    assert skipped == []
+    assert names(usable) == [
+        ("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+        ("self_attn.qkv_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        ("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+        ("mlp.gate_up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ]
+    assert [m.rows for m in usable] == [None, slice(256, 384), None, slice(256, 512)]  # v; up
+    gqa = tiny("phi3", kv_heads=2)  # Phi-3-medium: v is not a third of qkv_proj
+    usable, skipped = block_mappings(gqa, find_blocks(gqa)[1][0])
+    assert len(usable) == 3 and len(skipped) == 1
+    assert skipped[0].startswith("self_attn.qkv_proj (part 3 of 3) -> self_attn.o_proj skipped: "
+                                 "self_attn.qkv_proj: its 256 output channels are not 3 parts of the 128")
+    assert "grouped-query attention" in skipped[0]
+
+
+FALCON_LAYOUTS = {
+    "7b": ({}, [("input_layernorm", (F_QKV, F_UP), "")]),  # parallel attention and MLP: the block
+    "40b": ({"new_decoder_architecture": True, "num_kv_heads": 2},
+            [("ln_attn", (F_QKV,), "self_attention"), ("ln_mlp", (F_UP,), "mlp")]),
+    "rw": ({"parallel_attn": False, "multi_query": False, "alibi": True, "bias": True},
+           [("input_layernorm", (F_QKV,), "self_attention"), ("post_attention_layernorm", (F_UP,), "mlp")]),
+}
+
+
+@pytest.mark.parametrize("layout", FALCON_LAYOUTS)
+def test_falcon_layouts_are_chosen_by_config(layout):
+    extra, expected = FALCON_LAYOUTS[layout]
+    model = tiny("falcon", **extra)
+    path, blocks = find_blocks(model)
+    assert path == "transformer.h"
+    usable, skipped = block_mappings(model, blocks[0])
+    assert names(usable) == expected and skipped == []
+
+
+FUNCTION_CASES = {
+    "gemma": ("gemma", 4, {}),
+    "gemma2": ("gemma2", 4, {}),
+    "gemma3": ("gemma3", 4, {}),
+    "phi3": ("phi3", 4, {}),
+    **{f"falcon-{layout}": ("falcon", 2, extra) for layout, (extra, _) in FALCON_LAYOUTS.items()},
+}
+
+
+def _smooth_randomly_(model: nn.Module, *, offsets: bool = True) -> int:
+    g = torch.Generator().manual_seed(2)
+    applied = 0
+    for block in find_blocks(model)[1]:
+        for r in block_mappings(model, block)[0]:
+            scales = torch.randn(r.channels, generator=g).exp()
+            apply_smoothing_(r.smooth, list(r.balance), scales, rows=r.rows,
+                             weight_offset=r.weight_offset if offsets else 0.0)
+            applied += 1
+    return applied
+
+
+@pytest.mark.parametrize("case", FUNCTION_CASES)
+def test_every_table_pair_preserves_the_function(case):
+    """Every pair of the table in every block, scales e^N(0,1), float32: logits within 1e-4."""
+    family, kv_heads, extra = FUNCTION_CASES[case]
+    model = tiny(family, kv_heads=kv_heads, **extra)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        assert _smooth_randomly_(model) == 2 * len(architecture_of(model).smoothing)
+        after = model(input_ids=ids, use_cache=False).logits
+    assert not torch.equal(after, before)  # the weights did change, in float32
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_dividing_w_instead_of_one_plus_w_would_break_gemma():
+    model = tiny("gemma2", kv_heads=4)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        _smooth_randomly_(model, offsets=False)
+        assert (model(input_ids=ids, use_cache=False).logits - before).abs().max() > 0.1
+
+
+def test_gpt2_conv1d_is_refused_in_one_line():
+    model = tiny("gpt2")
+    assert find_blocks(model)[0] == "transformer.h"
+    with pytest.raises(PtqError) as error:
+        check_linear_layers(model, ["Linear"], ["lm_head"])
+    assert str(error.value) == (
+        "GPT2LMHeadModel computes with transformers Conv1D layers (transformer.h.0.attn.c_attn and 7 more), "
+        "not nn.Linear; compressed-tensors quantizes nn.Linear only, so transformers could not load the "
+        "checkpoint (it would come back with random weights): ptq cannot quantize this model"
+    )
+    check_linear_layers(model, ["Linear"], [r"re:.*\.(c_attn|c_proj|c_fc)$"])  # all ignored
+    check_linear_layers(model, ["lm_head"], [])  # targets that do not name them
+    check_linear_layers(tiny("llama"), ["Linear"], [])

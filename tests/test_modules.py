@@ -55,3 +55,84 @@ def test_triton_backend_matches_reference(scheme, g_idx):
     module.backend = "triton"  # on the CPU this runs in Triton's interpreter (tests/conftest.py)
     # float32 accumulation in both; the kernel sums K in tiles: only the rounding order differs
     torch.testing.assert_close(module(x), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_bits_are_the_kernels():
+    from ptq import kernels
+    from ptq.modules import KERNEL_BITS
+
+    assert KERNEL_BITS == kernels.SUPPORTED_BITS
+
+
+def test_auto_takes_the_reference_where_no_kernel_fits():
+    from ptq.modules import kernel_fits
+    from ptq.schemes import QuantArgs, Scheme
+
+    assert all(kernel_fits(scheme) for scheme in PRESETS.values())  # triton is installed here
+    assert not kernel_fits(Scheme(weights=QuantArgs(num_bits=5, strategy="group", group_size=64)))
+
+
+WITHOUT_TRITON = """
+import importlib.machinery
+import sys
+
+
+class WithoutTriton(importlib.machinery.PathFinder):  # as on a machine without triton installed
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] == "triton":
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path = [WithoutTriton if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+import torch, ptq
+from ptq.errors import PtqError
+from ptq.modules import kernel_fits
+from ptq.schemes import PRESETS
+assert not any(kernel_fits(s) for s in PRESETS.values())  # "auto" takes the reference on CUDA too
+model = ptq.load(sys.argv[1], dtype=torch.float32)
+reference = ptq.load(sys.argv[1], dtype=torch.float32, backend="torch")
+ids = torch.arange(12).view(1, 12)
+with torch.no_grad():
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+try:
+    ptq.load(sys.argv[1], backend="triton")
+except PtqError as error:
+    assert "needs the triton package" in str(error), error
+else:
+    raise AssertionError("backend triton loaded without triton")
+assert "ptq.kernels" not in sys.modules
+print("ok")
+"""
+
+
+def test_works_without_triton(tmp_path):
+    # triton is a dependency on Linux only: elsewhere ptq imports, loads and computes with the
+    # torch reference, and backend="triton" is refused in one line
+    import subprocess
+    import sys
+
+    import ptq
+    from tests.conftest import tiny_model
+
+    ptq.save(ptq.quantize(tiny_model(), "W4A16_ASYM", show_progress=False), tmp_path / "q")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    # run outside the repository: from its root, transformers would take ptq's kernels/ folder
+    # for the Hugging Face `kernels` package
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON, str(tmp_path / "q")], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_w4a8_never_reaches_a_module():
+    # the scheme is refused before a QuantLinear exists (tests/test_schemes.py), so no forward
+    # path (kernel or reference) ever sees int4 weights with int8 activations
+    from pydantic import ValidationError
+
+    from ptq.schemes import Scheme
+
+    with pytest.raises(ValidationError, match="need 8-bit weights"):
+        Scheme(weights={"num_bits": 4, "strategy": "group", "group_size": 128},
+               input_activations={"num_bits": 8, "strategy": "token", "dynamic": True})

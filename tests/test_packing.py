@@ -1,9 +1,14 @@
-"""Packing is bit-exact: round trips for every width, and the reference library's layout."""
+"""Packing is bit-exact: round trips for every width, and compressed-tensors' layout (weights and zero points)."""
 
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from torch import nn
 
+from ptq.algorithms.rtn import rtn
+from ptq.modules import QuantLinear
 from ptq.packing import pack_int32, packed_width, unpack_int32
+from ptq.schemes import QuantArgs, Scheme
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -39,11 +44,27 @@ def test_three_bits_straddle_words():
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_matches_compressed_tensors(bits):
-    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    # ptq keeps its own packing (its unpack runs on the GPU without a Python loop); the
+    # layout is compressed-tensors', bit for bit, in both directions
     g = torch.Generator().manual_seed(bits)
     values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, 200), generator=g).to(torch.int8)
-    assert torch.equal(pack_int32(values, bits), helpers.pack_to_int32(values, bits))
-    assert torch.equal(helpers.unpack_from_int32(pack_int32(values, bits), bits, values.shape), values)
+    assert torch.equal(pack_int32(values, bits), pack_to_int32(values, bits))
+    assert torch.equal(unpack_from_int32(pack_int32(values, bits), bits, values.shape), values)
+    assert torch.equal(unpack_int32(pack_to_int32(values, bits), bits, 200), values)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("out_features", [80, 128, 11])
+def test_zero_points_packed_as_compressed_tensors_packs_them(bits, out_features):
+    # zero points [out, groups] are packed along the OUTPUT dim: int32 [ceil(out * bits / 32), groups]
+    linear = nn.Linear(256, out_features)
+    scheme = Scheme(weights=QuantArgs(num_bits=bits, symmetric=False, strategy="group", group_size=64))
+    qw = rtn(linear.weight.detach(), scheme.weights, torch.bfloat16)
+    stored = QuantLinear.from_quantized(linear, qw, scheme).weight_zero_point
+    expected = pack_to_int32(qw.zero.to(torch.int8), bits, packed_dim=0)
+    assert stored.dtype == torch.int32 and stored.shape == (packed_width(out_features, bits), 4)
+    assert torch.equal(stored, expected)
+    assert torch.equal(unpack_from_int32(stored, bits, qw.zero.shape, packed_dim=0), qw.zero.to(torch.int8))
 
 
 def test_rejects_bad_width():

@@ -180,9 +180,13 @@ def _mse(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:
     return total / max(count, 1)
 
 
-def apply_awq_(smooth: nn.Module, balance: Sequence[nn.Linear], scales: Tensor) -> None:
-    """Fold AWQ scales into the model in place (smooth op / s, balance columns · s)."""
-    apply_smoothing_(smooth, balance, scales)
+def apply_awq_(
+    smooth: nn.Module, balance: Sequence[nn.Linear], scales: Tensor, *, rows: slice | None = None,
+    weight_offset: float = 0.0,
+) -> None:
+    """Fold AWQ scales into the model in place (smooth op / s, balance columns · s); rows and
+    weight_offset as in ptq.algorithms.smoothquant.apply_smoothing_ (fused Linears, Gemma norms)."""
+    apply_smoothing_(smooth, balance, scales, rows=rows, weight_offset=weight_offset)
 
 
 @torch.no_grad()

@@ -43,34 +43,52 @@ def smoothquant_scales(act_absmax: Tensor, weights: Sequence[Tensor], alpha: flo
 
 
 @torch.no_grad()
-def apply_smoothing_(smooth: nn.Module, balance: Sequence[nn.Linear], scales: Tensor) -> None:
+def apply_smoothing_(
+    smooth: nn.Module,
+    balance: Sequence[nn.Linear],
+    scales: Tensor,
+    *,
+    rows: slice | None = None,
+    weight_offset: float = 0.0,
+) -> None:
     """Fold scales s [in] into the model, in place: smooth's output / s, balance columns · s.
 
-    smooth is an nn.Linear (its rows and bias are divided) or a norm whose output is its
+    smooth is an nn.Linear (its rows and bias are divided: all of them, or `rows` when it
+    is a fused Linear whose part the balance Linears read) or a norm whose output is its
     1-D weight (plus bias) times a normalized input, as LayerNorm and RMSNorm (both are
-    divided). The arithmetic runs in float32 and is rounded once to each tensor's dtype.
+    divided). A norm computing x̂·(1 + w) (Gemma) takes weight_offset=1: (1 + w) is divided,
+    w' = (1 + w) / s − 1. The arithmetic runs in float32 and is rounded once to each
+    tensor's dtype.
     """
     channels = scales.numel()
+    inverse = 1.0 / scales.float()  # [in]
     for linear in balance:
         if linear.in_features != channels:
             raise ValueError(f"a balance Linear reads {linear.in_features} channels, scales have {channels}")
     if isinstance(smooth, nn.Linear):
-        if smooth.out_features != channels:
-            raise ValueError(f"smooth Linear has {smooth.out_features} outputs, scales have {channels}")
-        _scale_(smooth.weight, 1.0 / scales.float().view(-1, 1))  # rows: [out, 1]
+        weight = smooth.weight if rows is None else smooth.weight[rows]  # [out or part, in]: a view
+        if weight.shape[0] != channels:
+            raise ValueError(f"smooth Linear has {weight.shape[0]} outputs to divide, scales have {channels}")
+        _scale_(weight, inverse.view(-1, 1))  # rows: [out, 1]
     else:
         weight = getattr(smooth, "weight", None)
-        if not isinstance(weight, Tensor) or weight.shape != (channels,):
+        if rows is not None or not isinstance(weight, Tensor) or weight.shape != (channels,):
             raise ValueError(
                 f"{type(smooth).__name__} has no weight of shape [{channels}] to fold scales into"
             )
-        _scale_(weight, 1.0 / scales.float())
+        _scale_(weight, inverse, weight_offset)
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, Tensor):
-        _scale_(bias, 1.0 / scales.float())
+        _scale_(bias if rows is None else bias[rows], inverse)
     for linear in balance:
         _scale_(linear.weight, scales.float().view(1, -1))  # columns: [1, in]
 
 
-def _scale_(param: Tensor, factor: Tensor) -> None:
-    param.copy_((param.float() * factor.to(param.device)).to(param.dtype))
+def _scale_(param: Tensor, factor: Tensor, offset: float = 0.0) -> None:
+    """param ← (param + offset) · factor − offset, in float32, rounded once to param's dtype."""
+    value = param.float()
+    if offset:
+        value = (value + offset) * factor.to(param.device) - offset
+    else:
+        value = value * factor.to(param.device)
+    param.copy_(value.to(param.dtype))

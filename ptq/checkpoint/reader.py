@@ -19,18 +19,22 @@ from typing import NamedTuple
 
 import torch
 from accelerate import init_empty_weights
+from compressed_tensors.quantization import QuantizationArgs as CTArgs
+from compressed_tensors.quantization import QuantizationScheme as CTScheme
+from compressed_tensors.quantization import is_preset_scheme, preset_name_to_scheme
 from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ptq import moe
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.models import check_model_type
-from ptq.modules import QuantLinear
+from ptq.modules import TRITON_MISSING, QuantLinear, triton_installed
 from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
-from ptq.schemes import QuantArgs, Scheme
+from ptq.schemes import QuantArgs, Scheme, ct_value
 from ptq.targets import matches, pattern_problem
 
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
@@ -63,6 +67,8 @@ def load(
     """
     if backend not in ("auto", "triton", "torch"):
         raise PtqError(f"backend '{shorten(backend)}' is not one of auto, triton, torch")
+    if backend == "triton" and not triton_installed():
+        raise PtqError(TRITON_MISSING)
     folder = Path(path)
     try:
         return _load(folder, torch.device(device), dtype, backend)
@@ -76,7 +82,10 @@ def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend
     ignore = _patterns(qconfig.get("ignore") or [], "quantization_config ignore")
     dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
     tensors = read_tensors(folder)
-    model = _skeleton(folder, dtype)
+    # built in the stored dtype, as the model ptq quantized was: buffers computed at build time
+    # (Gemma's embed_scale) get the same bits; parameters are assigned in `dtype` below
+    model = _skeleton(folder, _stored_dtype(raw))
+    groups, ignore, tensors = _moe_layout(model, groups, ignore, tensors)
     _replace_linears(model, groups, ignore, tensors, backend)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     state = _checked_state(model, tensors, tied, dtype)
@@ -85,6 +94,21 @@ def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend
     if tied:
         model.tie_weights()
     return model.to(device).eval()
+
+
+def _moe_layout(
+    model: nn.Module, groups: list[Group], ignore: list[str], tensors: dict[str, Tensor]
+) -> tuple[list[Group], list[str], dict[str, Tensor]]:
+    """MoE models: names as the model spells them (Mixtral's block_sparse_moe is its mlp),
+    and each fused experts module split into one Linear per expert and projection
+    (ptq.moe), as checkpoints store them, unless the checkpoint holds them fused."""
+    rename = moe.renamer(model, to_checkpoint=False)
+    tensors = {rename(name): tensor for name, tensor in tensors.items()}
+    groups = [group._replace(targets=[rename(t) for t in group.targets]) for group in groups]
+    ignore = [rename(pattern) for pattern in ignore]
+    fused = {name for name, _, _ in moe.experts_modules(model) if f"{name}.gate_up_proj" in tensors}
+    moe.unfuse_experts_(model, keep=fused)
+    return groups, ignore, tensors
 
 
 def _read_config(folder: Path) -> tuple[dict, dict]:
@@ -118,39 +142,69 @@ def group_schemes(qconfig: dict) -> list[Group]:
 
 
 def _group(name: str, group: object, default_format: object) -> Group:
+    """A config group read as compressed-tensors reads it, then checked against what ptq runs.
+
+    ptq's checks come first where both would refuse (their messages name ptq's limits);
+    a group compressed-tensors itself refuses is refused too. compressed-tensors' short form
+    of a group, a preset name mapped to its targets, is read as that preset.
+    """
     where = f"config group '{shorten(name)}'"
+    if isinstance(group, list) and is_preset_scheme(name):
+        group = {**preset_name_to_scheme(name, []).model_dump(), "targets": group}
     if not isinstance(group, dict):
         raise PtqError(f"{where} is not a JSON object")
     fmt = group.get("format") or default_format
     if fmt not in SUPPORTED_FORMATS:
         raise PtqError(f"{where} has format '{shorten(fmt)}'; ptq reads {', '.join(SUPPORTED_FORMATS)}")
-    weights = group.get("weights")
+    weights, acts = group.get("weights"), group.get("input_activations")
     if not isinstance(weights, dict):
         raise PtqError(f"{where} has no weights (num_bits, strategy, ...); ptq reads weight-quantized checkpoints")
-    scheme = _scheme(where, weights, group.get("input_activations"))
+    if acts is not None and not isinstance(acts, dict):
+        raise PtqError(f"{where} input_activations is {shorten(acts)}, not an object or null")
+    if group.get("output_activations") is not None:
+        raise PtqError(f"{where} quantizes output activations, which ptq does not run")
+    parsed, problem = _ct_scheme(group)
+    scheme = _scheme(where, weights, acts, parsed)
     if scheme.format != fmt:
         raise PtqError(f"{where} has format '{fmt}', but its weights and activations are stored as '{scheme.format}'")
     targets = group.get("targets")
     if not targets:
         raise PtqError(f"{where} has no targets (e.g. [\"Linear\"])")
+    targets = _patterns(targets, f"{where} targets")
+    if problem:
+        raise PtqError(f"{where} is not a compressed-tensors scheme: {problem}")
+    actorder = parsed.weights.actorder if parsed is not None else weights.get("actorder")
     observer = weights.get("observer") or "minmax"
-    return Group(name, _patterns(targets, f"{where} targets"), scheme, weights.get("actorder"), observer)
+    return Group(name, targets, scheme, ct_value(actorder), observer)
 
 
-def _scheme(where: str, weights: dict, acts: object) -> Scheme:
-    if acts is not None and not isinstance(acts, dict):
-        raise PtqError(f"{where} input_activations is {shorten(acts)}, not an object or null")
+def _ct_scheme(group: dict) -> tuple[CTScheme | None, str | None]:
+    """The group as compressed-tensors reads it, or None and why it does not."""
     try:
-        weights_args = _args(where, "weights", weights)
-        return Scheme(weights=weights_args, input_activations=_args(where, "input_activations", acts))
+        return CTScheme.model_validate(group), None
+    except ValidationError as error:
+        return None, _first_error(error)
+    except (ValueError, TypeError, NotImplementedError) as error:  # raised by its validators outside pydantic's
+        return None, shorten(first_line(error))
+
+
+def _scheme(where: str, weights: dict, acts: dict | None, parsed: CTScheme | None) -> Scheme:
+    try:
+        weights_args = _args(where, "weights", weights, parsed and parsed.weights)
+        acts_args = _args(where, "input_activations", acts, parsed and parsed.input_activations)
+        return Scheme(weights=weights_args, input_activations=acts_args)
     except ValidationError as error:
         raise PtqError(f"{where}: {_first_error(error)}") from None
 
 
-def _args(where: str, field: str, data: dict | None) -> QuantArgs | None:
+def _args(where: str, field: str, data: dict | None, parsed: CTArgs | None) -> QuantArgs | None:
+    """ptq's args: from compressed-tensors' reading when it has one, else from the raw fields
+    (so that ptq's message names what is wrong)."""
     if data is None:
         return None
     try:
+        if parsed is not None:
+            return QuantArgs.from_ct(parsed)
         return QuantArgs(**{k: data[k] for k in ARG_FIELDS if k in data})
     except ValidationError as error:
         raise PtqError(f"{where} {field}: {_first_error(error)}") from None

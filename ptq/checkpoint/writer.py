@@ -1,8 +1,9 @@
 """Write a quantized model as a compressed-tensors checkpoint, atomically.
 
-The folder holds config.json (with `quantization_config`), the weights as safetensors
-(sharded with model.safetensors.index.json past max_shard_bytes), the tokenizer, and
-recipe.yaml, and ptq.json (the manifest: the files written and the settings of the run).
+The folder holds what save_pretrained writes, config.json (with `quantization_config`, in
+compressed-tensors' own classes), generation_config.json, the weights as safetensors
+(sharded with model.safetensors.index.json past max_shard_bytes) and the tokenizer, and
+recipe.yaml and ptq.json (the manifest: the files written and the settings of the run).
 Everything is written into a work folder beside the target and renamed into place at the
 end, so a failed save leaves nothing behind (ptq.checkpoint.output).
 """
@@ -14,21 +15,33 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import compressed_tensors
 import torch
+from compressed_tensors.base import (
+    COMPRESSION_VERSION_NAME,
+    QUANTIZATION_METHOD,
+    QUANTIZATION_METHOD_NAME,
+    SPARSITY_CONFIG_NAME,
+    TRANSFORM_CONFIG_NAME,
+)
+from compressed_tensors.config import CompressionFormat
+from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from ptq import moe
 from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-CT_VERSION = "0.12.0"  # compressed-tensors config version written into quantization_config
 
 
 def quantization_config(model: nn.Module) -> dict:
-    """config.json's quantization_config for the QuantLinears in the model."""
+    """config.json's quantization_config for the QuantLinears in the model, built from
+    compressed-tensors' own classes and laid out as its ModelCompressor writes it (with
+    the installed compressed-tensors' version)."""
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not quantized:
         raise PtqError("the model has no quantized Linear; run ptq.quantize on it before saving")
@@ -39,28 +52,44 @@ def quantization_config(model: nn.Module) -> dict:
     single = len(groups) == 1
     config_groups = {}
     for i, ((scheme, actorder, observer), names) in enumerate(groups.items()):
-        acts = scheme.input_activations
-        config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if single else [f"re:^{n.replace('.', '[.]')}$" for n in names],
-            "format": scheme.format,
-            "weights": scheme.weights.to_config(actorder, observer),
-            "input_activations": None if acts is None else acts.to_config(),
-            "output_activations": None,
-        }
-    formats = {g["format"] for g in config_groups.values()}
-    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        targets = ["Linear"] if single else [f"re:^{n.replace('.', '[.]')}$" for n in names]
+        config_groups[f"group_{i}"] = scheme.to_ct(targets, actorder, observer)
+    formats = {group.format for group in config_groups.values()}
+    config = QuantizationConfig(
+        config_groups=config_groups,
+        format=formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=[n for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+    )
     return {
-        "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-        "quantization_status": "compressed",
-        "version": CT_VERSION,
-        "config_groups": config_groups,
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-        "sparsity_config": {},
-        "transform_config": {},
-        "global_compression_ratio": None,
+        COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
+        QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
+        SPARSITY_CONFIG_NAME: {},
+        TRANSFORM_CONFIG_NAME: {},
+        **config.model_dump(),
+        **_transformers_load_settings(quantized),
     }
+
+
+def _transformers_load_settings(quantized: dict[str, QuantLinear]) -> dict:
+    """What transformers' loader must be told to read the checkpoint right.
+
+    Zero points are stored as compressed-tensors writes them and vLLM reads them: int32,
+    packed along the output dimension, [ceil(out * bits / 32), groups]. transformers' default
+    loader (compressed-tensors 0.18's compress_model on the meta device) sizes that tensor
+    unpacked, [out, groups], and refuses the checkpoint (llm-compressor issue 1618); its
+    `dequantize` path reads the packed zero points, so asymmetric checkpoints ask for it (a
+    loading setting that vLLM ignores). That path drops weight_g_idx: zero points with
+    activation-order groups would load wrong, so they are refused.
+    """
+    asymmetric = [name for name, m in quantized.items() if not m.scheme.weights.symmetric]
+    for name in asymmetric:
+        if hasattr(quantized[name], "weight_g_idx"):
+            raise PtqError(
+                f"'{name}' has zero points and activation-order groups (weight_g_idx), which transformers "
+                "loads without the group order; quantize with actorder 'static' or symmetric weights"
+            )
+    return {"dequantize": True} if asymmetric else {}
 
 
 def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor, torch.dtype]]:
@@ -139,12 +168,14 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
     report = getattr(model, "ptq_report", None)
     dtype = report.checkpoint_dtype if report else model.config.dtype
     config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(model)
+    config["quantization_config"] = moe.checkpoint_quantization_config(model, quantization_config(model))
     config["dtype"] = str(dtype).removeprefix("torch.")
+    config["architectures"] = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
     config.pop("torch_dtype", None)
     try:
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        write_weights(folder, checkpoint_tensors(model, dtype), max_shard_bytes)
+        write_generation_config(model, folder)
+        write_weights(folder, moe.checkpoint_tensors(model, checkpoint_tensors(model, dtype)), max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if report is not None:
@@ -155,6 +186,20 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
     except SafetensorError as error:  # the weights' writer reports I/O errors (a full disk) this way
         reason = str(error).split("I/O error: ")[-1]
         raise PtqError(f"writing the checkpoint failed: {reason}; check the free space") from None
+
+
+def write_generation_config(model: nn.Module, folder: Path) -> None:
+    """generation_config.json, as save_pretrained writes it for a model that can generate."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None or not getattr(model, "can_generate", lambda: False)():
+        return
+    try:
+        generation.save_pretrained(folder)
+    except ValueError as error:  # transformers refuses to save a generation config it finds invalid
+        raise PtqError(
+            f"the model's generation_config cannot be saved ({str(error).strip().splitlines()[0]}); "
+            "fix model.generation_config, or set it to None to save without one"
+        ) from None
 
 
 def run_settings(report) -> dict:
