@@ -19,7 +19,7 @@ from tests.test_families import ALGORITHMS, FAMILIES  # noqa: E402
 NAMES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "smoothquant": "SmoothQuant"}
 
 
-SAYS = {"yes": "yes", "dequantize=True": "with `dequantize=True`", "weights": "same weights (see notes)", "no": "no"}
+SAYS = {"yes": "yes", "dequantized": "yes (dequantized on load)", "weights": "same weights (see notes)", "no": "no"}
 
 
 def _transformers(family) -> str:

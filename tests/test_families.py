@@ -40,7 +40,7 @@ class Family:
     algorithms: tuple[str, ...] = ALGORITHMS
     pairs: int = 0  # smoothing pairs (AWQ, SmoothQuant) per block of the tiny config
     # how transformers' from_pretrained reads the W4A16 checkpoints: "yes" (as is: the same
-    # logits), "dequantize=True" (only with CompressedTensorsConfig(dequantize=True): the same
+    # logits), "dequantized" (through the dequantize path, which the checkpoint asks for: the same
     # weights and logits), "weights" (the same weights, but it computes another model), "no"
     transformers: str = "yes"
     transformers_w8a8: str = "yes"  # the same for W8A8 (int8 weights and activations)
@@ -67,9 +67,10 @@ FAMILIES: tuple[Family, ...] = (
                 "grouped-query attention, as Phi-3-mini)"),
     Family("OPT", "OPTForCausalLM", ("opt",), pairs=3, transformers_w8a8="weights",
            note="pre-norm models (not opt-350m); W8A8: " + PER_TENSOR),
-    Family("Falcon", "FalconForCausalLM", ("falcon",), pairs=1, transformers="dequantize=True",
-           note="W4A16: transformers' default load fails in Falcon's own _init_weights (a packed "
-                "FalconLinear has no weight): pass quantization_config=CompressedTensorsConfig(dequantize=True)"),
+    Family("Falcon", "FalconForCausalLM", ("falcon",), pairs=1, transformers="dequantized",
+           note="W4A16: transformers' Falcon code reads each Linear's dense weight while loading, so "
+                "the checkpoint asks for the dequantize path (`dequantize: true`): the default "
+                "from_pretrained gives the same weights"),
     Family("GPT-2", "GPT2LMHeadModel", ("gpt2",), algorithms=(), transformers="no", transformers_w8a8="no",
            note="refused: its Linears are transformers Conv1D ([in, out]), which compressed-tensors "
                 "does not quantize; transformers would load such a checkpoint with random weights"),
@@ -125,11 +126,11 @@ def _transformers(path, ours: nn.Module, mode: str, *, weight_only: bool) -> Non
     Loaded as is (compressed), transformers dequantizes in the activation dtype rather than
     in the bf16 scale dtype: ptq's model with float32 scales computes exactly that, and the
     int8 activations (W8A8) are quantized alike: logits equal within 1e-5 (summation order).
-    With dequantize=True ("dequantize=True", "weights") the weights are dense and equal to
+    With dequantize=True ("dequantized", "weights") the weights are dense and equal to
     ptq's dequantized ones, and the activations are not quantized, so logits are compared for
     weight-only schemes only.
     """
-    dequantize = mode in ("dequantize=True", "weights")
+    dequantize = mode in ("dequantized", "weights")
     options = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {}
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options).eval()
     for name, module in ours.named_modules():
@@ -173,12 +174,15 @@ def test_falcon_with_falcon_linear_targets(tmp_path):
     _transformers(tmp_path / "q", loaded, BY_CONFIG["falcon"].transformers, weight_only=True)
 
 
-@pytest.mark.xfail(raises=AttributeError, strict=True,
-                   reason="transformers: FalconPreTrainedModel._init_weights reads FalconLinear.weight, "
-                          "which compressed-tensors replaced by weight_packed")
 def test_falcon_default_transformers_load(tmp_path):
-    ptq.save(quantize_(tiny_model("falcon"), "rtn"), tmp_path / "q")
-    AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    """FalconPreTrainedModel._init_weights reads FalconLinear.weight, which compressed-tensors
+    replaced by weight_packed: the checkpoint asks for the dequantize path itself."""
+    model = quantize_(tiny_model("falcon"), "rtn")
+    ptq.save(model, tmp_path / "q")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)  # no options
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert torch.equal(theirs.get_submodule(name).weight, module.dequantized_weight().float()), name
 
 
 def test_gpt2_is_refused_in_one_line():

@@ -67,11 +67,17 @@ def quantization_config(model: nn.Module) -> dict:
         SPARSITY_CONFIG_NAME: {},
         TRANSFORM_CONFIG_NAME: {},
         **config.model_dump(),
-        **_transformers_load_settings(quantized),
+        **_transformers_load_settings(model, quantized),
     }
 
 
-def _transformers_load_settings(quantized: dict[str, QuantLinear]) -> dict:
+# models whose transformers code reads a Linear's dense `weight` while it loads (Falcon's
+# _init_weights), which a packed Linear does not have: their packed checkpoints ask for the
+# dequantize path, which gives the same weights (and vLLM ignores the setting)
+DENSE_WEIGHT_ON_LOAD = ("FalconForCausalLM",)
+
+
+def _transformers_load_settings(model: nn.Module, quantized: dict[str, QuantLinear]) -> dict:
     """What transformers' loader must be told to read the checkpoint right.
 
     Zero points are stored as compressed-tensors writes them and vLLM reads them: int32,
@@ -89,7 +95,9 @@ def _transformers_load_settings(quantized: dict[str, QuantLinear]) -> dict:
                 f"'{name}' has zero points and activation-order groups (weight_g_idx), which transformers "
                 "loads without the group order; quantize with actorder 'static' or symmetric weights"
             )
-    return {"dequantize": True} if asymmetric else {}
+    packed = any(m.scheme.format == "pack-quantized" for m in quantized.values())
+    dense_on_load = packed and type(model).__name__ in DENSE_WEIGHT_ON_LOAD
+    return {"dequantize": True} if asymmetric or dense_on_load else {}
 
 
 def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor, torch.dtype]]:
