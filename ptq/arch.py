@@ -122,13 +122,12 @@ _FALCON = (
     Architecture("transformer.h", (SmoothingMapping("input_layernorm", (_FALCON_QKV, _FALCON_UP), ""),)),
 )
 
-# Qwen3's and Gemma 3's q_norm/k_norm sit after q_proj/k_proj inside attention: they
-# change no pair here
+# Qwen3's and Gemma 3's q_norm/k_norm sit after q_proj/k_proj inside attention: no pair
 _LLAMA_LIKE = (Architecture(blocks="model.layers", smoothing=_LLAMA_SMOOTHING),)
 
 # transformers class name -> its layouts, the first whose `when` holds for the model's
-# config. The classes are imported from transformers and matched with isinstance, so
-# subclasses inherit their parent's entry.
+# config (MoE families: ptq.arch_moe). The classes are imported from transformers and
+# matched with isinstance, so subclasses inherit their parent's entry.
 FAMILIES: dict[str, tuple[Architecture, ...]] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
@@ -173,8 +172,9 @@ def _largest_block_list(model: nn.Module) -> str:
 
 def architecture_of(model: nn.Module) -> Architecture:
     """The table entry of the model's family and layout, or one discovered from its module tree."""
+    from ptq.arch_moe import MOE_FAMILIES  # built from this module's classes: imported here
     config = getattr(model, "config", None)
-    for name, layouts in FAMILIES.items():
+    for name, layouts in {**FAMILIES, **MOE_FAMILIES}.items():
         cls = _family_class(name)
         if cls is not None and isinstance(model, cls):
             for layout in layouts:
@@ -255,10 +255,8 @@ def block_mappings(
     With patterns (from a recipe) those are used (strict: each must name modules of this
     block, see mappings_from_patterns); otherwise the family's table.
     """
-    if patterns:
-        mappings = mappings_from_patterns(block, patterns, strict=strict, what=what)
-    else:
-        mappings = smoothing_mappings(model)
+    mappings = (mappings_from_patterns(block, patterns, strict=strict, what=what) if patterns
+                else smoothing_mappings(model))
     return resolve_mappings(block, mappings)
 
 
@@ -281,9 +279,10 @@ def resolve_mappings(
     block: nn.Module, mappings: Sequence[SmoothingMapping]
 ) -> tuple[list[ResolvedMapping], list[str]]:
     """(usable mappings, human-readable reasons for each skipped one) for a concrete block."""
+    from ptq.arch_moe import expand_each  # a `*` segment: each child of the module before it
     usable: list[ResolvedMapping] = []
     skipped: list[str] = []
-    for mapping in mappings:
+    for mapping in expand_each(block, mappings):
         resolved = _resolve(block, mapping)
         if isinstance(resolved, str):
             skipped.append(f"{mapping.describe()} skipped: {resolved}")

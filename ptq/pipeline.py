@@ -132,6 +132,7 @@ def quantize(
     linears = select_linears(model, step)
     for transform in recipe.transforms:
         check_mappings(model, transform.mappings, transform.step_name)
+    _check_experts_scheme(model, linears, step)
     planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
     calibrated = uses_calibration_data(recipe)
     if calibrated:  # before touching the model: bad data must leave it as it was
@@ -148,7 +149,7 @@ def quantize(
     if device.type == "cpu":
         report.cpu = cpu_settings()
     report.notes.extend(planned.notes())
-    report.notes.extend(_moe_notes(model, step))
+    report.notes.extend(_moe_notes(model))
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if calibrated:
@@ -279,22 +280,30 @@ def _router_safe(block: nn.Module, transform: TransformStep, report) -> Transfor
     return transform.model_copy(update={"mappings": kept}) if kept else None
 
 
-def _moe_notes(model: nn.Module, step: WeightStep) -> list[str]:
-    """What the report says about MoE blocks: the routers kept in 16 bits, and a format
-    that transformers cannot read for experts."""
+def _moe_notes(model: nn.Module) -> list[str]:
+    """What the report says about MoE blocks: the routers kept in 16 bits."""
     routers = moe.router_names(model)
     if not routers:
         return []
     patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.)", "*", name) for name in routers))
-    notes = [f"MoE routers kept in 16 bits (they choose the experts; {len(routers)} modules): {', '.join(patterns)}"]
+    return [f"MoE routers kept in 16 bits (they choose the experts; {len(routers)} modules): {', '.join(patterns)}"]
+
+
+def _check_experts_scheme(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep) -> None:
+    """Refuse expert weights in a form their readers lose: transformers 5.24 drops zero
+    points and weight_g_idx when it fuses the experts on load, and vLLM's MoE kernels take
+    symmetric weights without activation-order groups."""
     asymmetric = not step.scheme.weights.symmetric
-    if asymmetric or (isinstance(step, GPTQStep) and step.actorder == "group"):
-        notes.append(
-            "MoE experts with " + ("zero points" if asymmetric else "activation-order groups (weight_g_idx)")
-            + ": transformers 5.24 drops them when it fuses the experts on load (ptq.load reads them); "
-            "a symmetric scheme without actorder group loads everywhere"
+    grouped = isinstance(step, GPTQStep) and step.actorder == "group"
+    if not (asymmetric or grouped):
+        return
+    experts = [name for name in linears if moe.expert_of(model, name)]
+    if experts:
+        what = "zero points (asymmetric weights)" if asymmetric else "activation-order groups (actorder: group)"
+        raise PtqError(
+            f"MoE experts ({experts[0]}, ...) with {what} do not load in transformers or vLLM; use a "
+            "symmetric scheme without actorder group, or add the experts to ignore"
         )
-    return notes
 
 
 def _quantize_with_calibration(

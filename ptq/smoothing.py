@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ptq import moe
 from ptq.algorithms.awq import apply_awq_, apply_clip_, awq_clip_search, awq_search, make_module_loss
 from ptq.algorithms.smoothquant import apply_smoothing_, smoothquant_scales
 from ptq.arch import ResolvedMapping, block_mappings
@@ -31,9 +32,13 @@ def smooth_block_(
     # the recipe's own mappings must name modules of every block; the table's may not apply
     mappings, skipped = block_mappings(model, run.block, step.mappings, strict=True, what=step.step_name)
     if isinstance(step, SmoothQuantStep):
-        return _smoothquant_(run, mappings, step), skipped
-    assert isinstance(step, AWQStep)
-    return _awq_(run, mappings, step, args, scale_dtype), skipped
+        done = _smoothquant_(run, mappings, step)
+    else:
+        assert isinstance(step, AWQStep)
+        done = _awq_(run, mappings, step, args, scale_dtype)
+    # a routed expert that no calibration token reached has no statistics: left as it is
+    unrouted = [m.mapping.describe() for m in mappings if m.mapping.describe() not in done]
+    return done, skipped + [f"{pair} skipped: no calibration token was routed to it" for pair in unrouted]
 
 
 def _first_inputs(mappings: list[ResolvedMapping]) -> dict[str, nn.Linear]:
@@ -43,7 +48,7 @@ def _first_inputs(mappings: list[ResolvedMapping]) -> dict[str, nn.Linear]:
 def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep) -> dict[str, str]:
     observers = run.collect(_first_inputs(mappings), AbsMaxObserver)
     done = {}
-    for m in mappings:
+    for m in (m for m in mappings if m.mapping.balance[0] in observers):
         absmax = observers[m.mapping.balance[0]].value  # [in]
         scales = smoothquant_scales(absmax, [b.weight for b in m.balance], step.alpha)
         apply_smoothing_(m.smooth, m.balance, scales, rows=m.rows, weight_offset=m.weight_offset)
@@ -67,7 +72,7 @@ def _awq_(
         for handle in handles:
             handle.remove()
     done = {}
-    for i, m in enumerate(mappings):
+    for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
         loss = make_module_loss(m.inspect, m.balance, inspect_inputs[i], args=args, scale_dtype=scale_dtype)
         x_mean = observers[m.mapping.balance[0]].value
         result = awq_search(x_mean, [b.weight for b in m.balance], loss, args=args, n_grid=step.n_grid,
@@ -77,7 +82,9 @@ def _awq_(
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
         done[m.mapping.describe()] = f"awq ratio {ratio}, output error -{100 * gain:.0f}%"
         if step.clip:
-            inputs = run.first_input(m.balance[0]).float()  # smoothed now, as the weights are
+            # smoothed now, as the weights are; a routed expert sees every token of the batch
+            with moe.all_experts(run.block):
+                inputs = run.first_input(m.balance[0]).float()
             inputs = inputs.reshape(-1, inputs.shape[-1])
             for name, linear in zip(m.mapping.balance, m.balance):
                 if not name.endswith(NO_CLIP):

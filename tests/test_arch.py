@@ -433,3 +433,20 @@ def test_gpt2_conv1d_is_refused_in_one_line():
     check_linear_layers(model, ["Linear"], [r"re:.*\.(c_attn|c_proj|c_fc)$"])  # all ignored
     check_linear_layers(model, ["lm_head"], [])  # targets that do not name them
     check_linear_layers(tiny("llama"), ["Linear"], [])
+
+
+def test_a_star_segment_expands_over_the_children_present():
+    from ptq.arch_moe import expand_each
+
+    block = nn.Module()
+    block.experts = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(4, 8), "down": nn.Linear(8, 4)}) for _ in range(3))
+    each = SmoothingMapping("experts.*.up", ("experts.*.down",), "experts.*.down")
+    absent = SmoothingMapping("shared.*.up", ("shared.*.down",), "shared.*.down")
+    assert expand_each(block, [each, absent]) == [
+        *(SmoothingMapping(f"experts.{e}.up", (f"experts.{e}.down",), f"experts.{e}.down") for e in range(3)),
+        absent,
+    ]
+    usable, skipped = resolve_mappings(block, [each, absent])
+    assert [r.balance[0] for r in usable] == [block.experts[e].down for e in range(3)]
+    assert skipped == ["shared.*.up -> shared.*.down skipped: Module has no module shared.*.up, shared.*.down, "
+                       "shared.*.down"]

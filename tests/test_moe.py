@@ -15,7 +15,10 @@ from torch import nn
 
 import ptq
 from ptq import moe
+from ptq.algorithms.smoothquant import apply_smoothing_
+from ptq.arch import block_mappings, find_blocks
 from ptq.calibration.resume import BlockStore
+from ptq.errors import PtqError
 from ptq.modules import QuantLinear, UnfusedExperts
 from ptq.recipe import parse_recipe
 from tests.conftest import VOCAB
@@ -265,14 +268,18 @@ def test_ptq_load_is_bit_exact_and_transformers_reads_the_experts(family, tmp_pa
     assert (default.argmax(-1) == ours.argmax(-1)).float().mean() > 0.95
 
 
-def test_ptq_load_reads_asymmetric_experts(tmp_path):
-    # transformers 5.24 cannot: its expert dequantizer drops weight_zero_point
-    # ("AssertionError: Asymmetric quant requires zero-point values" from compressed-tensors)
-    model = ptq.quantize(moe_model("qwen3_moe"), "W4A16_ASYM", dtype=torch.bfloat16, show_progress=False)
-    ptq.save(model, tmp_path / "q")
-    loaded = ptq.load(tmp_path / "q", dtype=torch.bfloat16)
-    assert any(k.endswith("experts.0.down_proj.weight_zero_point") for k in loaded.state_dict())
-    assert torch.equal(logits(loaded), logits(model))
+@pytest.mark.parametrize("recipe", [
+    {"rtn": {"scheme": "W4A16_ASYM"}},
+    {"gptq": {"scheme": "W4A16", "actorder": "group"}},
+])
+def test_expert_formats_no_reader_keeps_are_refused(recipe):
+    """transformers 5.24 drops zero points and weight_g_idx when it fuses experts on load
+    ("Asymmetric quant requires zero-point values"), and vLLM's MoE kernels take symmetric
+    weights without activation-order groups: refused in one line, before any work."""
+    model = moe_model("qwen3_moe")
+    with pytest.raises(PtqError, match=r"MoE experts \(model.layers.0.mlp.experts.0.gate_proj, ...\) with"):
+        ptq.quantize(model, parse_recipe({"steps": [recipe]}), show_progress=False)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 class _Interrupted(Exception):
@@ -320,3 +327,113 @@ def test_smoothing_skips_what_the_routers_read(tokenizer):
     skipped = [n for n in model.ptq_report.notes if n.startswith("smoothquant mapping post_attention_layernorm")]
     assert len(skipped) == 1 and skipped[0].endswith("the routers of mlp read post_attention_layernorm's output too, "
                                                       "and they are not rescaled")
+
+
+# --- smoothing tables (ptq.arch_moe) -------------------------------------------------
+
+ATTENTION = "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj"
+MLA = ["input_layernorm -> self_attn.q_proj, self_attn.kv_a_proj_with_mqa",
+       "self_attn.kv_a_layernorm -> self_attn.kv_b_proj"]
+DENSE_MLP = ["post_attention_layernorm -> mlp.gate_proj, mlp.up_proj", "mlp.up_proj -> mlp.down_proj"]
+
+
+def _experts_pairs(up: str = "up_proj", down: str = "down_proj") -> list[str]:
+    return [f"mlp.experts.{e}.{up} -> mlp.experts.{e}.{down}" for e in range(4)]
+
+
+# family -> the table pairs applied in each of the two blocks (v -> o is skipped under
+# grouped-query attention; DeepSeek's first block is dense, with no router)
+TABLE_PAIRS = {
+    "mixtral": 2 * [[ATTENTION, *_experts_pairs("w3", "w2")]],
+    "qwen2_moe": 2 * [[ATTENTION, *_experts_pairs(), "mlp.shared_expert.up_proj -> mlp.shared_expert.down_proj"]],
+    "qwen3_moe": 2 * [[ATTENTION, *_experts_pairs()]],
+    **{family: [[*MLA, *DENSE_MLP], [*MLA, *_experts_pairs(), "mlp.shared_experts.up_proj -> mlp.shared_experts.down_proj"]]
+       for family in ("deepseek_v2", "deepseek_v3")},
+}
+
+
+def _router_outputs(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the routers output on IDS (logits, weights, chosen experts)."""
+    outputs: list[torch.Tensor] = []
+
+    def keep(_module, _args, output):
+        outputs.extend(t.detach().clone() for t in (output if isinstance(output, tuple) else (output,)))
+
+    handles = [model.get_submodule(name).register_forward_hook(keep) for name in moe.router_names(model)]
+    logits(model)
+    for handle in handles:
+        handle.remove()
+    return outputs
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 64])
+@pytest.mark.parametrize("family", FAMILIES + ["deepseek_v2"])
+def test_every_moe_table_pair_preserves_the_function_and_the_routing(family, q_lora_rank):
+    """Random scales e^N(0,1) on every table pair of every block, float32: logits within 1e-4,
+    the same experts chosen; no pair rescales what a router reads."""
+    if q_lora_rank is not None and not family.startswith("deepseek"):
+        pytest.skip("q_lora_rank is DeepSeek's")
+    config = moe_config(family)
+    if q_lora_rank is not None:  # DeepSeek-V2/V3 themselves: q through q_a_proj, q_a_layernorm, q_b_proj
+        config.q_lora_rank = q_lora_rank
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    moe.unfuse_experts_(model)
+    before, routing = logits(model), _router_outputs(model)
+    g = torch.Generator().manual_seed(2)
+    applied = []
+    for block in find_blocks(model)[1]:
+        usable, _ = block_mappings(model, block)
+        for r in usable:
+            assert moe.router_reads(block, r.mapping.smooth, r.mapping.balance) is None, r.mapping.describe()
+            apply_smoothing_(r.smooth, list(r.balance), torch.randn(r.channels, generator=g).exp(), rows=r.rows,
+                             weight_offset=r.weight_offset)
+        applied.append([r.mapping.describe() for r in usable])
+    expected = TABLE_PAIRS[family]
+    if q_lora_rank is not None:
+        q_lora = ["input_layernorm -> self_attn.q_a_proj, self_attn.kv_a_proj_with_mqa",
+                  "self_attn.q_a_layernorm -> self_attn.q_b_proj"]
+        expected = [[*q_lora, *pairs[1:]] for pairs in expected]
+    assert applied == expected
+    after = logits(model)
+    assert not torch.equal(after, before)  # the weights did change
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    for old, new in zip(routing, _router_outputs(model), strict=True):
+        if old.is_floating_point():
+            torch.testing.assert_close(new, old, atol=1e-4, rtol=1e-4)
+        else:
+            assert torch.equal(new, old)  # the chosen experts
+
+
+@pytest.mark.parametrize("step", ["awq", "smoothquant"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_awq_and_smoothquant_use_the_moe_tables(family, step, tokenizer):
+    scheme = "W4A16" if step == "awq" else "W8A8"
+    recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 32},
+                           "steps": [{step: {"n_grid": 4} if step == "awq" else {}}, {"rtn": {"scheme": scheme}}]})
+    model = moe_model(family)
+    routers = {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith("gate.weight")}
+    moe_layers = {name.partition(".mlp.")[0] for name in routers}  # not DeepSeek's dense first layer
+    norms = {f"{layer}.post_attention_layernorm.weight": model.get_submodule(layer).post_attention_layernorm.weight
+             .detach().clone() for layer in moe_layers}
+    ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
+    report = model.ptq_report
+    applied = [[pair.partition(": ")[2] for pair in report.smoothing if pair.startswith(f"model.layers.{i}: ")]
+               for i in (0, 1)]
+    assert applied == TABLE_PAIRS[family], report.notes
+    assert all(how.startswith(step) for how in report.smoothing.values())
+    # what the routers read and compute is not rescaled
+    params = dict(model.named_parameters())
+    for name, weight in {**routers, **norms}.items():
+        assert torch.equal(params[name], weight.to(params[name].dtype)), name
+
+
+def test_an_expert_without_tokens_is_left_unsmoothed(tokenizer):
+    model = moe_model("mixtral")
+    _never_route_to(model, 3)
+    recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 32},
+                           "steps": [{"awq": {"n_grid": 4, "clip": True}}, {"rtn": {"scheme": "W4A16"}}]})
+    ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
+    smoothed = {pair.partition(": ")[2] for pair in model.ptq_report.smoothing}
+    assert smoothed == {ATTENTION, *_experts_pairs("w3", "w2")[:3]}
+    assert "mlp.experts.3.w3 -> mlp.experts.3.w2 skipped: no calibration token was routed to it" in model.ptq_report.notes
