@@ -269,7 +269,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise PtqError("no CUDA GPU here: ptq bench measures the Triton kernels on a GPU")
-    from ptq.kernels.bench import format_table, run_benchmark
+    try:
+        from ptq.kernels.bench import format_table, run_benchmark
+    except ImportError as error:  # triton is a Linux-only dependency
+        raise PtqError(f"ptq bench needs triton ({error}); pip install triton") from None
 
     rows = run_benchmark(ms=args.m) if args.m else run_benchmark()
     print(format_table(rows))
