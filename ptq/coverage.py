@@ -57,7 +57,8 @@ def _reason(model: nn.Module, name: str, ignore: list[str]) -> str | None:
     return None
 
 
-def _pattern(name: str) -> str:
+def name_pattern(name: str) -> str:
+    """The name with block and expert indices as '*', to name a weight of every block at once."""
     return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)  # model.layers.3.mlp -> model.layers.*.mlp
 
 
@@ -80,7 +81,7 @@ def coverage(model: nn.Module, quantized: set[str], ignore: list[str]) -> Covera
         if reason is None:
             missed += param.numel()
             reason = MISSED[isinstance(_owner(model, name), nn.Linear)]
-        key = (_pattern(name), reason)
+        key = (name_pattern(name), reason)
         groups[key] = groups.get(key, 0) + param.numel()
     untouched = sorted((Untouched(p, n, r) for (p, r), n in groups.items() if n >= LARGE_SHARE * total),
                        key=lambda u: -u.params)

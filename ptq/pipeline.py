@@ -9,7 +9,6 @@ describing what was done. Nothing here prints (progress bars aside).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from ptq.calibration.resume import BlockStore, fingerprint
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
-from ptq.coverage import Coverage, coverage
+from ptq.coverage import Coverage, coverage, name_pattern
 from ptq.devices import compute_dtype_for, cpu_settings
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
@@ -285,7 +284,7 @@ def _moe_notes(model: nn.Module) -> list[str]:
     routers = moe.router_names(model)
     if not routers:
         return []
-    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.)", "*", name) for name in routers))
+    patterns = list(dict.fromkeys(name_pattern(name) for name in routers))
     return [f"MoE routers kept in 16 bits (they choose the experts; {len(routers)} modules): {', '.join(patterns)}"]
 
 
@@ -365,24 +364,24 @@ def _quantize_with_calibration(
         report.add_time("calibration passes", time.perf_counter() - start)
         return outputs
 
-    notes_before = [0]
+    notes_seen = len(report.notes)
 
     def block_done(index: int, block: nn.Module, hidden: list[torch.Tensor]) -> None:
+        """Keep the finished block, what the report learnt about it, and the next inputs."""
+        nonlocal notes_seen
         prefix = f"{blocks_path}.{index}"
         record = {
             "layers": {n: how for n, how in report.layers.items() if n.startswith(prefix + ".")},
             "modules": {n: {"actorder": m.actorder, "observer": m.observer}
                         for n, m in block.named_modules() if isinstance(m, QuantLinear)},
-            "notes": report.notes[notes_before[0]:],
+            "notes": report.notes[notes_seen:],
             "smoothing": {k: v for k, v in report.smoothing.items() if k.startswith(prefix + ": ")},
         }
-        notes_before[0] = len(report.notes)
-        if store is not None:
-            store.save_block(index, block, record, hidden)
+        notes_seen = len(report.notes)
+        store.save_block(index, block, record, hidden)
 
-    notes_before[0] = len(report.notes)
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
-               show_progress=show_progress, block_done=block_done, **resumed)
+               show_progress=show_progress, block_done=block_done if store else None, **resumed)
 
 
 def _resume(model, blocks_path: str, batches, step: WeightStep, report, store: BlockStore) -> dict:

@@ -84,3 +84,17 @@ def user_model_dir(tmp_path_factory, tokenizer):
     tiny_model("llama").save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def with_float32_scales(model):
+    """transformers loads scales in the model dtype (float32 in these tests) and dequantizes
+    in it; ptq keeps the checkpoint's bf16 scales and dequantizes in bf16. Same integers and
+    scale values, one rounding fewer: give ptq's model float32 scales to compare exactly."""
+    from ptq.modules import QuantLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.weight_scale = module.weight_scale.float()
+            if hasattr(module, "input_scale"):
+                module.input_scale = module.input_scale.float()
+    return model

@@ -8,6 +8,7 @@ import torch
 import ptq
 from ptq.modules import QuantLinear
 from ptq.recipe import load_recipe
+from tests.conftest import with_float32_scales
 
 pytest.importorskip("compressed_tensors")
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig  # noqa: E402
@@ -19,18 +20,6 @@ def few_samples(recipe):
     """The recipe with a small calibration set, so that every recipe runs in seconds."""
     calibration = recipe.calibration.model_copy(update={"samples": 8, "seq_len": 128})
     return recipe.model_copy(update={"calibration": calibration})
-
-
-def with_float32_scales(model):
-    """transformers loads scales in the model dtype (float32 here) and dequantizes in it;
-    ptq keeps the checkpoint's bf16 scales and dequantizes in bf16. Same integers, same
-    scale values, one rounding fewer: give ptq's model float32 scales to compare exactly."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.weight_scale = module.weight_scale.float()
-            if hasattr(module, "input_scale"):
-                module.input_scale = module.input_scale.float()
-    return model
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)

@@ -275,14 +275,8 @@ def _empty_quant_linear(linear: nn.Linear, group: Group, name: str, tensors: dic
     if scale is None:
         raise PtqError(f"has no '{name}.weight_scale' although config group '{shorten(group.name)}' targets '{name}'")
     try:
-        return QuantLinear(
-            linear.in_features,
-            linear.out_features,
-            group.scheme,
-            bias=linear.bias is not None,
-            scale_dtype=scale.dtype,
-            has_g_idx=f"{name}.weight_g_idx" in tensors,
-        )
+        return QuantLinear.empty_like(linear, group.scheme, scale_dtype=scale.dtype,
+                                      has_g_idx=f"{name}.weight_g_idx" in tensors)
     except ValueError as error:  # a group size that does not divide in_features
         raise PtqError(f"config group '{shorten(group.name)}' does not fit '{name}': {error}") from None
 

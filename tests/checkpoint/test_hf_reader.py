@@ -18,7 +18,7 @@ from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 from ptq.recipe import Calibration, GPTQStep, Recipe, RTNStep, parse_recipe
 from ptq.schemes import PRESETS
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, with_float32_scales
 
 IDS = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
 CALIBRATION = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual_seed(1))  # token ids
@@ -26,18 +26,6 @@ CALIBRATION = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual
 
 def hf_load(path, **kwargs):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-
-
-def with_float32_scales(model):
-    """transformers' compressed path dequantizes in the activation dtype (float32 here), ptq
-    in the checkpoint's bf16 scale dtype: same integers and scale values, one rounding
-    fewer. ptq's model with float32 scales computes exactly what transformers does."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.weight_scale = module.weight_scale.float()
-            if hasattr(module, "input_scale"):
-                module.input_scale = module.input_scale.float()
-    return model
 
 
 def quantized(family, scheme, actorder=None):
