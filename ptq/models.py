@@ -14,20 +14,24 @@ from ptq.errors import PtqError
 from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
 
 BUNDLED = "builtin"
+BUNDLED_MODELS = {  # name -> folder under ptq/assets (trained by scripts/train_tiny_llama.py)
+    BUNDLED: "tiny-llama",  # 512-token context
+    "builtin-2k": "tiny-llama-2k",  # the same model trained on at 2048 tokens: long-context evaluation (KV cache)
+}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json"
 )  # a folder with none of these has no tokenizer
 
 
-def bundled_model_path() -> Path:
-    """The folder of the model ptq ships (trained by scripts/train_tiny_llama.py)."""
-    return Path(str(resources.files("ptq").joinpath("assets", "tiny-llama")))
+def bundled_model_path(name: str = BUNDLED) -> Path:
+    """The folder of a model ptq ships (BUNDLED_MODELS)."""
+    return Path(str(resources.files("ptq").joinpath("assets", BUNDLED_MODELS[name])))
 
 
 def resolve_model_path(name: str | os.PathLike | None) -> str:
     """A loadable location for name: the bundled model, a local folder, or a Hub name."""
-    if name in (None, BUNDLED):
-        return str(bundled_model_path())
+    if name is None or name in BUNDLED_MODELS:
+        return str(bundled_model_path(name or BUNDLED))
     path, name = Path(name), str(name)
     if path.exists():
         if not (path / "config.json").is_file():
@@ -40,7 +44,10 @@ def resolve_model_path(name: str | os.PathLike | None) -> str:
 
 
 def is_quantized_checkpoint(path: str) -> bool:
+    """A folder ptq.load reads: a quantization_config, or a quantized KV cache alone (kv_cache.json)."""
     config = Path(path) / "config.json"
+    if (Path(path) / "kv_cache.json").is_file() and config.is_file():
+        return True
     return config.is_file() and "quantization_config" in read_config(Path(path), path)
 
 

@@ -28,6 +28,7 @@ from ptq.calibration.sequential import Stages, execution_stages, quantize_block_
 from ptq.coverage import Coverage, coverage, name_pattern
 from ptq.devices import compute_dtype_for, cpu_settings
 from ptq.errors import PtqError
+from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
 from ptq.modules import QuantLinear
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
@@ -123,18 +124,21 @@ def quantize(
     projection (ptq.moe; the model computes the same), also when a later check fails.
     """
     recipe = load_recipe(recipe)
-    step = recipe.weight_step
+    step, kv = recipe.weight_step, recipe.kv_cache
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_finite(model)
-    moe.unfuse_experts_(model)
-    linears = select_linears(model, step)
-    for transform in recipe.transforms:
-        check_mappings(model, transform.mappings, transform.step_name)
-    _check_experts_scheme(model, linears, step)
-    planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
-    calibrated = uses_calibration_data(recipe)
-    if calibrated:  # before touching the model: bad data must leave it as it was
+    if kv is not None:
+        check_kv_model(model, kv)
+    linears, planned = {}, None
+    if step is not None:
+        moe.unfuse_experts_(model)
+        linears = select_linears(model, step)
+        for transform in recipe.transforms:
+            check_mappings(model, transform.mappings, transform.step_name)
+        _check_experts_scheme(model, linears, step)
+        planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
+    if uses_calibration_data(recipe):  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
         batches = calibration_batches(
             tokenizer, cal.dataset if data is None else data,
@@ -147,17 +151,35 @@ def quantize(
                                 device.type, coverage=planned)
     if device.type == "cpu":
         report.cpu = cpu_settings()
-    report.notes.extend(planned.notes())
+    if planned is not None:
+        report.notes.extend(planned.notes())
+    else:
+        report.notes.append("weights left as they are: the recipe quantizes the KV cache only")
     report.notes.extend(_moe_notes(model))
     cast_parameters_(model, report.compute_dtype)
     model.eval()
-    if calibrated:
+    if step is not None and weights_use_calibration(recipe):
         _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress, store)
-    else:
+    elif step is not None:
         _quantize_rtn(model, linears, step, report)
+    if kv is not None:
+        kv_start = time.perf_counter()
+        state = calibrate_kv(model, batches if kv.static else None, kv, device=device,
+                             scale_dtype=checkpoint_dtype, show_progress=show_progress)
+        report.add_time("KV cache calibration", time.perf_counter() - kv_start)
+        use_kv_cache(model, state)
+        report.notes.append(_kv_note(kv, recipe))
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
+
+
+def _kv_note(kv, recipe: Recipe) -> str:
+    if kv.static:
+        cal = recipe.calibration
+        return (f"KV cache: {kv.describe()}, scales from keys after rotary embedding and values of "
+                f"{cal.samples} x {cal.seq_len} calibration tokens, every layer")
+    return f"KV cache: {kv.describe()}; quantized as tokens arrive (no calibration)"
 
 
 @torch.no_grad()
@@ -170,8 +192,13 @@ def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def uses_calibration_data(recipe: Recipe) -> bool:
-    """Whether the recipe runs calibration samples through the model (else: RTN alone)."""
-    return needs_calibration(recipe.weight_step) or bool(recipe.transforms)
+    """Whether the recipe runs calibration samples through the model (else: RTN, kivi alone)."""
+    return weights_use_calibration(recipe) or (recipe.kv_cache is not None and recipe.kv_cache.static)
+
+
+def weights_use_calibration(recipe: Recipe) -> bool:
+    step = recipe.weight_step
+    return step is not None and (needs_calibration(step) or bool(recipe.transforms))
 
 
 def needs_calibration(step: WeightStep) -> bool:

@@ -3,6 +3,7 @@
     calibration: {dataset: builtin, samples: 128, seq_len: 512, seed: 0}
     steps:
       - rtn: {scheme: W4A16, targets: [Linear], ignore: [lm_head]}
+    kv_cache: {scheme: FP8, strategy: tensor}      # optional; alone, the weights stay as they are
 
 Each step is a one-key mapping from a step name to its options; `STEPS` maps the names to
 their option classes. Unknown keys and bad values are rejected with one line naming the
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ptq.errors import PtqError
+from ptq.kv.scheme import KVCacheScheme
 from ptq.schemes import PRESETS, Scheme, resolve_scheme
 from ptq.targets import pattern_problem
 
@@ -239,7 +241,8 @@ class AWQStep(TransformStep):
 
 class Recipe(Strict):
     calibration: Calibration = Calibration()
-    steps: list[Step] = Field(min_length=1)
+    steps: list[Step] = Field(default_factory=list)  # none: the weights stay as they are (kv_cache alone)
+    kv_cache: KVCacheScheme | None = None  # how the attention key/value cache is quantized (ptq.kv)
 
     @field_validator("steps", mode="before")
     @classmethod
@@ -261,6 +264,11 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _one_weight_step(self) -> Recipe:
+        if not self.steps:
+            if self.kv_cache is None:
+                raise ValueError("the recipe quantizes nothing: give steps (e.g. '- rtn: {scheme: W4A16}'), "
+                                 "a kv_cache entry, or both")
+            return self
         names = [type(s).step_name for s in self.steps]
         kinds = [isinstance(s, WeightStep) for s in self.steps]
         if kinds.count(True) != 1 or not kinds[-1]:
@@ -279,8 +287,9 @@ class Recipe(Strict):
         return self
 
     @property
-    def weight_step(self) -> WeightStep:
-        return self.steps[-1]
+    def weight_step(self) -> WeightStep | None:
+        """The step that quantizes the weights; None when the recipe quantizes the KV cache alone."""
+        return self.steps[-1] if self.steps else None
 
     @property
     def transforms(self) -> list[TransformStep]:
@@ -289,6 +298,10 @@ class Recipe(Strict):
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
         data["steps"] = [{type(s).step_name: s.model_dump(mode="json")} for s in self.steps]
+        if self.kv_cache is None:
+            del data["kv_cache"]
+        else:
+            data["kv_cache"] = self.kv_cache.model_dump(mode="json", exclude_none=True)
         return yaml.safe_dump(data, sort_keys=False)
 
 

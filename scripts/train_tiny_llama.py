@@ -1,6 +1,8 @@
 """Train ptq's bundled demo model: a small Llama on the calibration text, on the CPU.
 
     python scripts/train_tiny_llama.py            # writes ptq/assets/tiny-llama/
+    python scripts/train_tiny_llama.py --init-from ptq/assets/tiny-llama --seq-len 2048 \
+        --steps 200 --batch 4 --lr 1e-3 --out ptq/assets/tiny-llama-2k   # the long-context one
 
 Reproducible: the tokenizer, the initial weights and the batch order all follow --seed.
 The model is a transformers LlamaForCausalLM with grouped-query attention (8 query heads,
@@ -79,10 +81,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue training this model (and keep its tokenizer), e.g. at a longer --seq-len")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    tokenizer = train_tokenizer(ROOT / "calib_data" / "calib.txt", args.vocab)
+    if args.init_from is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
+    else:
+        tokenizer = train_tokenizer(ROOT / "calib_data" / "calib.txt", args.vocab)
     train_ids = encode_stream(tokenizer, (ROOT / "calib_data" / "calib.txt").read_text())
     eval_ids = encode_stream(tokenizer, (ROOT / "calib_data" / "eval.txt").read_text())
     print(f"tokens: {len(train_ids):,} calibration, {len(eval_ids):,} held out")
@@ -102,7 +109,11 @@ def main() -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config).float()
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        model.config.max_position_embeddings = max(config.max_position_embeddings, args.seq_len)
+    else:
+        model = LlamaForCausalLM(config).float()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params / 1e6:.2f} M")
 
@@ -132,8 +143,10 @@ def main() -> None:
     model.eval()
 
     ppl = perplexity(model, eval_ids, 512)
+    long_ppl = perplexity(model, eval_ids, args.seq_len) if args.seq_len != 512 else ppl
     baseline = unigram_perplexity(train_ids, eval_ids, len(tokenizer))
-    print(f"held-out perplexity (512-token windows): {ppl:.2f}; unigram baseline: {baseline:.2f}")
+    print(f"held-out perplexity (512-token windows): {ppl:.2f}; ({args.seq_len}-token windows): "
+          f"{long_ppl:.2f}; unigram baseline: {baseline:.2f}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out)
@@ -143,8 +156,10 @@ def main() -> None:
         "train_tokens_seen": args.steps * args.batch * args.seq_len,
         "train_seconds": round(time.time() - start),
         "heldout_perplexity_fp32": round(ppl, 3),
+        f"heldout_perplexity_fp32_ctx{args.seq_len}": round(long_ppl, 3),
+        "initialised_from": None if args.init_from is None else args.init_from.name,
         "unigram_perplexity": round(baseline, 3),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "init_from")},
     }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 

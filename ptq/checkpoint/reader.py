@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ptq import moe
+from ptq.checkpoint.kv import KV_FILE, read_kv_state
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
+from ptq.kv import use_kv_cache
 from ptq.models import check_model_type
 from ptq.modules import TRITON_MISSING, QuantLinear, triton_installed
 from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
@@ -78,13 +80,14 @@ def load(
 
 def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend: str) -> nn.Module:
     raw, qconfig = _read_config(folder)
-    groups = group_schemes(qconfig)
-    ignore = _patterns(qconfig.get("ignore") or [], "quantization_config ignore")
+    groups = group_schemes(qconfig) if qconfig is not None else []
+    ignore = _patterns((qconfig or {}).get("ignore") or [], "quantization_config ignore")
     dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
     tensors = read_tensors(folder)
     # built in the stored dtype, as the model ptq quantized was: buffers computed at build time
     # (Gemma's embed_scale) get the same bits; parameters are assigned in `dtype` below
     model = _skeleton(folder, _stored_dtype(raw))
+    kv = read_kv_state(folder, qconfig, tensors, model)  # takes the cache's scale tensors out of `tensors`
     groups, ignore, tensors = _moe_layout(model, groups, ignore, tensors)
     _replace_linears(model, groups, ignore, tensors, backend)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -93,7 +96,10 @@ def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if kv is not None:
+        use_kv_cache(model, kv)
+    return model
 
 
 def _moe_layout(
@@ -111,12 +117,16 @@ def _moe_layout(
     return groups, ignore, tensors
 
 
-def _read_config(folder: Path) -> tuple[dict, dict]:
-    """config.json and its quantization_config, both JSON objects."""
+def _read_config(folder: Path) -> tuple[dict, dict | None]:
+    """config.json and its quantization_config, both JSON objects; no quantization_config
+    for a checkpoint whose weights are not quantized and whose cache is (kv_cache.json)."""
     if not (folder / "config.json").is_file():
         raise PtqError("not a model folder (no config.json)")
     raw = read_json_object(folder / "config.json", "config.json")
     qconfig = raw.get("quantization_config")
+    if qconfig is None and (folder / KV_FILE).is_file():
+        check_model_type(raw)
+        return raw, None
     if not isinstance(qconfig, dict) or qconfig.get("quant_method") != "compressed-tensors":
         raise PtqError("not a compressed-tensors checkpoint (config.json has no such quantization_config)")
     if "auto_map" in raw:
@@ -136,6 +146,8 @@ def _stored_dtype(raw: dict) -> torch.dtype:
 def group_schemes(qconfig: dict) -> list[Group]:
     """The config groups of a quantization_config, validated."""
     groups = qconfig.get("config_groups")
+    if groups == {} and qconfig.get("kv_cache_scheme") is not None:
+        return []  # the KV cache alone is quantized
     if not isinstance(groups, dict) or not groups:
         raise PtqError("quantization_config has no config_groups (name -> targets, weights); re-create the checkpoint")
     return [_group(str(name), group, qconfig.get("format")) for name, group in groups.items()]
@@ -248,7 +260,8 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> nn.Module:
     """The model of config.json (without quantization_config), parameters empty."""
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-        del config.quantization_config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         with init_empty_weights(include_buffers=False):
             return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as error:

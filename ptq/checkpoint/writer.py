@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ptq import moe
+from ptq.checkpoint import kv as kv_format
 from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
 from ptq.errors import PtqError
 from ptq.modules import QuantLinear
@@ -38,28 +39,34 @@ from ptq.modules import QuantLinear
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
-def quantization_config(model: nn.Module) -> dict:
-    """config.json's quantization_config for the QuantLinears in the model, built from
-    compressed-tensors' own classes and laid out as its ModelCompressor writes it (with
-    the installed compressed-tensors' version)."""
+def quantization_config(model: nn.Module) -> dict | None:
+    """config.json's quantization_config for the QuantLinears in the model and an FP8 KV
+    cache (ptq.checkpoint.kv), built from compressed-tensors' own classes and laid out as
+    its ModelCompressor writes it (with the installed compressed-tensors' version). None
+    for a model whose only quantization is a cache compressed-tensors has no form for."""
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    if not quantized:
+    kv = getattr(model, "ptq_kv", None)
+    if not quantized and kv is None:
         raise PtqError("the model has no quantized Linear; run ptq.quantize on it before saving")
+    fp8_cache = kv is not None and kv_format.in_compressed_tensors(kv.spec)
+    if not quantized and not fp8_cache:
+        return None
     groups: dict[tuple, list[str]] = {}
     for name, module in quantized.items():
         key = (module.scheme, getattr(module, "actorder", None), getattr(module, "observer", "minmax"))
         groups.setdefault(key, []).append(name)
     single = len(groups) == 1
-    config_groups = {}
+    config_groups = {}  # always written, {} for a cache alone (vLLM reads the head counts only then)
     for i, ((scheme, actorder, observer), names) in enumerate(groups.items()):
         targets = ["Linear"] if single else [f"re:^{n.replace('.', '[.]')}$" for n in names]
         config_groups[f"group_{i}"] = scheme.to_ct(targets, actorder, observer)
-    formats = {group.format for group in config_groups.values()}
+    formats = {group.format for group in config_groups.values()} or {CompressionFormat.dense.value}
     config = QuantizationConfig(
         config_groups=config_groups,
         format=formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value,
         quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=[n for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+        ignore=[n for n, m in model.named_modules() if isinstance(m, nn.Linear)] if quantized else [],
+        kv_cache_scheme=kv_format.kv_cache_scheme(kv.spec) if fp8_cache else None,
     )
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
@@ -176,14 +183,22 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
     report = getattr(model, "ptq_report", None)
     dtype = report.checkpoint_dtype if report else model.config.dtype
     config = model.config.to_dict()
-    config["quantization_config"] = moe.checkpoint_quantization_config(model, quantization_config(model))
+    qconfig = quantization_config(model)
+    if qconfig is not None:
+        config["quantization_config"] = moe.checkpoint_quantization_config(model, qconfig)
+    kv = getattr(model, "ptq_kv", None)
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["architectures"] = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
     config.pop("torch_dtype", None)
     try:
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_generation_config(model, folder)
-        write_weights(folder, moe.checkpoint_tensors(model, checkpoint_tensors(model, dtype)), max_shard_bytes)
+        tensors = moe.checkpoint_tensors(model, checkpoint_tensors(model, dtype))
+        if kv is not None and kv_format.in_compressed_tensors(kv.spec):
+            tensors.update(kv_format.scale_tensors(model, kv, dtype))
+        elif kv is not None:
+            kv_format.write_kv_file(folder, kv)
+        write_weights(folder, tensors, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if report is not None:
