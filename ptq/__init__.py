@@ -12,6 +12,7 @@ from ptq.checkpoint.reader import load
 from ptq.checkpoint.writer import save
 from ptq.errors import PtqError
 from ptq.evaluate import EvalResult, eval_windows, evaluate
+from ptq.kv import kv_cache
 from ptq.models import load_model
 from ptq.pipeline import quantize
 from ptq.recipe import Recipe, load_recipe
@@ -26,6 +27,7 @@ __all__ = [
     "Scheme",
     "eval_windows",
     "evaluate",
+    "kv_cache",
     "load",
     "load_model",
     "load_recipe",

@@ -78,6 +78,10 @@ def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-text", default="builtin-eval", help="held-out text: builtin-eval or a .txt/.jsonl file")
     parser.add_argument("--eval-seq-len", type=_at_least(2), default=512, help="tokens per evaluation window")
     parser.add_argument("--eval-windows", type=_at_least(1), default=64, help="at most this many windows")
+    parser.add_argument("--kv-eval-seq-len", type=_at_least(2), default=None,
+                        help="KV cache evaluation: tokens per window (default: the model's context, at most 2048)")
+    parser.add_argument("--kv-eval-windows", type=_at_least(1), default=8, help="KV cache evaluation: at most this many windows")
+    parser.add_argument("--kv-budget-gb", type=float, default=1.0, help="KV cache memory budget the report counts tokens in (GiB)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model folder's own Python code (auto_map); only for models you trust")
 
@@ -163,7 +167,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                 raise
             slot.keep = True
             raise PtqError(f"{error} (the finished blocks stay in '{slot.work}' for --resume)") from None
-    _print_summary(output, *results, report_path)
+    _print_summary(output, *results, report_path, args.kv_budget_gb)
 
 
 def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot) -> tuple:
@@ -175,45 +179,85 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     from ptq.report import size_of
 
     model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
-    windows = None
+    windows = kv_windows = None
     if eval_texts is not None:
         windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
         check_windows(model, windows)  # before the work, not after it
+        if recipe.kv_cache is not None:
+            kv_windows = _kv_windows(args, model, tokenizer, eval_texts)
     moe.unfuse_experts_(model)  # one Linear per expert, as ptq.quantize would: the sizes count them
-    names = list(select_linears(model, recipe.weight_step))
+    names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
-    reference = None if windows is None else copy.deepcopy(model)
+    # a recipe for the KV cache alone leaves the weights as they are: nothing to compare them with
+    reference = None if windows is None or recipe.weight_step is None else copy.deepcopy(model)
     ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
     report = model.ptq_report
     after = size_of(model, report.checkpoint_dtype, names)
-    quality = None
+    quality = kv_quality = None
     if reference is not None:
         cast_parameters_(reference, report.compute_dtype)
         quality = ptq.evaluate(model, windows, reference=reference)
+    del reference
+    if kv_windows is not None:
+        kv_quality = _evaluate_kv(model, kv_windows)
     write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer)
     slot.publish()
-    return names, before, after, quality, report
+    return names, before, after, quality, report, kv_quality
 
 
-def _print_summary(output, names, before, after, quality, report, report_path) -> None:
+def _kv_windows(args, model, tokenizer, texts):
+    """Long windows for the KV cache rows (the cache's errors grow with the context)."""
+    import ptq
+    from ptq.evaluate import check_windows
+
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2048
+    seq_len = args.kv_eval_seq_len or min(2048, context)
+    windows = ptq.eval_windows(tokenizer, texts, seq_len=seq_len, max_windows=args.kv_eval_windows)
+    check_windows(model, windows)
+    return windows
+
+
+def _evaluate_kv(model, windows):
+    """The KV rows: the model with its quantized cache against the same model with a 16-bit one."""
+    from ptq.kv import kv_cache
+    from ptq.kv.evaluate import evaluate_kv
+
+    spec = model.ptq_kv.spec
+    chunk = 256 if spec.static else spec.group_size  # static: exact for any chunk; kivi: see ptq.kv.evaluate
+    return evaluate_kv(model, windows, lambda: kv_cache(model), chunk=chunk)
+
+
+def _print_summary(output, names, before, after, quality, report, kv_quality, report_path, budget_gb=1.0) -> None:
     from ptq.report import peak_memory_bytes, summary_table
 
     print()
     share = report.coverage.share if report.coverage else None
     print(summary_table(before, after, quality, report.seconds, peak_memory_bytes(), share))
+    if kv_quality is not None:
+        print()
+        print(_kv_table(kv_quality, budget_gb))
     for note in report.notes:
         print(f"note: {note}")
     print(f"\nwrote {output} ({len(names)} Linears quantized; quantize {report.seconds:.1f} s)")
     if report_path is not None:
-        _write_json(report_path, before, after, quality, report, peak_memory_bytes())
+        _write_json(report_path, before, after, quality, report, peak_memory_bytes(), kv_quality, budget_gb)
+
+
+def _kv_table(result, budget_gb: float) -> str:
+    from ptq.report import format_rows
+
+    title = (f"KV cache {result.scheme}: {result.windows} windows of {result.seq_len} tokens through the cache in "
+             f"chunks of {result.chunk}, against the same model with a 16-bit cache")
+    rows = [("", "16-bit cache", "quantized cache"), *result.rows(int(budget_gb * (1 << 30)))]
+    return title + "\n" + format_rows(rows)
 
 
 class _Interrupted(Exception):
     """Ctrl-C during work: the message says what was kept."""
 
 
-def _write_json(path: Path, before, after, quality, report, peak) -> None:
+def _write_json(path: Path, before, after, quality, report, peak, kv_quality=None, budget_gb=1.0) -> None:
     import dataclasses
     import json
 
@@ -226,6 +270,10 @@ def _write_json(path: Path, before, after, quality, report, peak) -> None:
         "peak_memory_bytes": peak,
         "settings": report.settings(),
         "share_quantized": report.coverage.share if report.coverage else None,
+        "kv_cache": None if kv_quality is None else {
+            **dataclasses.asdict(kv_quality), "memory_ratio": kv_quality.memory_ratio,
+            "tokens_in_budget": dict(zip(("dense", "quantized"), kv_quality.tokens_in(int(budget_gb * (1 << 30))))),
+        },
         "notes": report.notes,
     }
     temporary = path.with_name(f".{path.name}.tmp")
@@ -259,11 +307,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     reference = load(args.reference)[0] if args.reference else None
     windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
     check_windows(model, windows, reference)
+    kv_windows = _kv_windows(args, model, tokenizer, texts) if getattr(model, "ptq_kv", None) else None
     result = ptq.evaluate(model, windows, reference=reference)
     print(f"perplexity: {result.perplexity:.3f} ({result.tokens:,} tokens, windows of {result.seq_len})")
     if reference is not None:
         print(f"reference perplexity: {result.reference_perplexity:.3f}")
         print(f"KL to reference: {result.kl:.5f} nats/token; top-1 agreement: {100 * result.top1:.2f}%")
+    if kv_windows is not None:
+        print()
+        print(_kv_table(_evaluate_kv(model, kv_windows), args.kv_budget_gb))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -35,3 +35,33 @@ def inject_outliers_(model: nn.Module, *, channels: int = 4, factor: float = 50.
                              weight_offset=m.weight_offset)
             changed.append(f"{index}.{m.mapping.smooth}")
     return changed
+
+
+@torch.no_grad()
+def inject_key_outlier_(model: nn.Module, *, factor: float = 30.0, kv_head: int = 0, channel: int = 0) -> list[str]:
+    """Make one key channel of one key/value head `factor` times larger in every layer, in
+    place and function-preserving in full precision: the rows of k_proj that produce channel
+    `channel` and its rotary partner (channel + head_dim/2; rotary embedding mixes the two,
+    so both are scaled alike) are multiplied by factor, and the same rows of q_proj of every
+    query head reading that kv head divided by it, so that q·k is unchanged. Large language
+    models have such key channels; they are why KIVI quantizes keys per channel and why
+    per-head cache scales beat one scale per layer. Returns the k_proj modules changed."""
+    from ptq.kv.calibrate import attention_shape
+
+    _, kv_heads, head_dim = attention_shape(model.config)
+    text = model.config.get_text_config(decoder=True)
+    group = text.num_attention_heads // kv_heads
+    pair = [channel % (head_dim // 2), channel % (head_dim // 2) + head_dim // 2]
+    changed = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "k_proj") and hasattr(module, "q_proj")):
+            continue
+        k_rows = [kv_head * head_dim + c for c in pair]
+        q_rows = [(kv_head * group + g) * head_dim + c for g in range(group) for c in pair]
+        module.k_proj.weight[k_rows] *= factor
+        module.q_proj.weight[q_rows] /= factor
+        for proj, rows, by in ((module.k_proj, k_rows, factor), (module.q_proj, q_rows, 1 / factor)):
+            if getattr(proj, "bias", None) is not None:
+                proj.bias[rows] *= by
+        changed.append(f"{name}.k_proj")
+    return changed

@@ -23,8 +23,8 @@ class Size:
     linear_weights: int  # number of weights in those Linears
 
     @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.linear_bytes / self.linear_weights
+    def bits_per_weight(self) -> float | None:
+        return 8 * self.linear_bytes / self.linear_weights if self.linear_weights else None
 
 
 def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -86,9 +86,12 @@ def summary_table(
     rows = [
         ("", "original", "quantized"),
         ("model size", _mb(before.total_bytes), _mb(after.total_bytes)),
-        ("quantized Linears", _mb(before.linear_bytes), _mb(after.linear_bytes)),
-        ("bits per weight (Linears, incl. scales)", f"{before.bits_per_weight:.2f}", f"{after.bits_per_weight:.2f}"),
     ]
+    if before.linear_weights:  # a recipe that quantizes the KV cache alone has no quantized Linears
+        rows += [
+            ("quantized Linears", _mb(before.linear_bytes), _mb(after.linear_bytes)),
+            ("bits per weight (Linears, incl. scales)", f"{before.bits_per_weight:.2f}", f"{after.bits_per_weight:.2f}"),
+        ]
     if share_quantized is not None:
         rows.append(("parameters quantized", "", f"{share_quantized:.1%}"))
     if quality is not None:
@@ -102,6 +105,11 @@ def summary_table(
     rows.append(("peak memory (RSS)", "", _mb(peak["rss"])))
     if "cuda" in peak:
         rows.append(("peak GPU memory", "", _mb(peak["cuda"])))
+    return format_rows(rows)
+
+
+def format_rows(rows: list[tuple[str, str, str]]) -> str:
+    """Three columns, the first row a header underlined: what, before, after."""
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
     lines.insert(1, "-" * len(lines[0]))

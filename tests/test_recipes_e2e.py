@@ -29,10 +29,15 @@ def test_recipe_end_to_end(tmp_path, path):
     ptq.save(model, tmp_path / "q", tokenizer=tokenizer)
     ours = ptq.load(tmp_path / "q")  # in the compute dtype the quantized model has
     ids = ptq.eval_windows(tokenizer, seq_len=128, max_windows=2)
-    packed = all(m.scheme.format == "pack-quantized" for m in ours.modules() if isinstance(m, QuantLinear))
+    weights = [m for m in ours.modules() if isinstance(m, QuantLinear)]
+    packed = bool(weights) and all(m.scheme.format == "pack-quantized" for m in weights)
     has_g_idx = any(hasattr(m, "weight_g_idx") for m in ours.modules())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ours(ids).logits)  # what was saved is what was quantized
+        if model.ptq_report.recipe.kv_cache is not None:  # and the cache it was quantized with
+            assert ours.ptq_kv.spec == model.ptq_kv.spec
+            assert torch.equal(model(ids, cache=ptq.kv_cache(model), use_cache=True).logits,
+                               ours(ids, cache=ptq.kv_cache(ours), use_cache=True).logits)
         ours = ptq.load(tmp_path / "q", dtype=torch.float32)  # transformers computes in float32 here
         expected = ours(ids).logits
         if packed and not has_g_idx:

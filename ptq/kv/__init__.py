@@ -64,14 +64,7 @@ def _fused_default(model: nn.Module) -> bool:
     from ptq.modules import triton_installed
 
     device = next(model.parameters()).device
-    return (getattr(model.config, "_attn_implementation", None) == ATTENTION and triton_installed()
-            and (device.type == "cuda" or _interpreting()))
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION and triton_installed() and device.type == "cuda"
 
 
 def use_kv_cache(model: nn.Module, state: KVState) -> None:
@@ -79,7 +72,7 @@ def use_kv_cache(model: nn.Module, state: KVState) -> None:
     creates a QuantizedKVCache when no cache is passed, and on CUDA (with triton) the
     attention becomes ATTENTION, which reads the cache's bytes on decoding steps."""
     model.ptq_kv = state
-    if torch.device(next(model.parameters()).device).type == "cuda" or _interpreting():
+    if next(model.parameters()).device.type == "cuda":
         from ptq.modules import triton_installed
 
         if triton_installed():

@@ -52,10 +52,12 @@ def ptq_kv_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     quantized = layer.quantized_length
     total = quantized + layer.keys.shape[-2]
     mask = _key_mask(attention_mask, total)
-    out, lse = decode_attention(q, layer.storage(), None if mask is None else mask[:, :quantized].contiguous(), scale)
-    if layer.keys.shape[-2]:
-        window = _dense(q, layer.keys, layer.values, None if mask is None else mask[:, quantized:], scale)
-        out, lse = merge_attention(out, lse, *window)
+    window = _dense(q, layer.keys, layer.values, None if mask is None else mask[:, quantized:], scale)
+    if quantized:
+        stored = decode_attention(q, layer.storage(), None if mask is None else mask[:, :quantized].contiguous(), scale)
+        out, lse = merge_attention(*stored, *window) if layer.keys.shape[-2] else stored
+    else:
+        out, lse = window
     return out.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, D], as transformers' attention returns
 
 

@@ -8,8 +8,9 @@ and top-1 agreement are reported per bucket of positions (0-256, 256-1K, 1K-2K, 
 
 Chunks: static schemes (fp8, int8) quantize each token on its own, so any chunk size
 gives what one-token decoding gives. With kivi a chunk's queries all see the cache as it
-is after the whole chunk arrived: chunk=1 is exact decoding; a chunk of C tokens keeps up
-to C - 1 more recent tokens in 16 bits for the chunk's first queries.
+is after the whole chunk arrived: chunk=1 is exact decoding; with a chunk of C tokens the
+chunk's first queries see up to C - 1 of their recent tokens already quantized, which
+one-token decoding would still hold in 16 bits (a pessimistic measure).
 
 Memory: the bytes the cache holds after a window (codes, scales, minimums, the 16-bit
 window and unused capacity of the last block), per cached token, against a 16-bit cache.
@@ -47,6 +48,7 @@ def _span(start: int, end: int) -> str:
 
 @dataclass
 class KVBucket:
+    label: str  # positions, e.g. "256-1K"
     start: int
     end: int
     tokens: int
@@ -54,10 +56,6 @@ class KVBucket:
     reference_perplexity: float
     kl: float
     top1: float
-
-    @property
-    def label(self) -> str:
-        return _span(self.start, self.end)
 
 
 @dataclass
@@ -139,6 +137,7 @@ def evaluate_kv(model: nn.Module, windows: Tensor, make_cache, *, chunk: int = 1
                           dense_bytes_per_token=dense_bytes_per_token(model.config))
     for (lo, hi), (nll, ref_nll, kl, agree) in zip(buckets, sums.tolist()):
         count = (hi - lo) * windows.shape[0]
-        result.buckets.append(KVBucket(lo, hi, count, math.exp(nll / count), math.exp(ref_nll / count),
+        label = _span(lo, seq_len if hi == seq_len - 1 else hi)
+        result.buckets.append(KVBucket(label, lo, hi, count, math.exp(nll / count), math.exp(ref_nll / count),
                                        kl / count, agree / count))
     return result
