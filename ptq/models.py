@@ -152,3 +152,12 @@ def _from_pretrained(auto: type, location: str, label: str, what: str, **kwargs)
         return auto.from_pretrained(location, **kwargs)
     except (OSError, ValueError, SafetensorError) as error:
         raise PtqError(f"cannot load {what} '{label}': {first_line(error)}") from None
+
+
+def float32_names(model: nn.Module) -> set[str]:
+    """Parameters and buffers the model's class keeps in float32 whatever the model dtype
+    (transformers' _keep_in_fp32_modules_strict: DeepSeek's router weights and score
+    correction bias): ptq computes with them, stores and loads them in float32."""
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return {name for name, _ in named if any(f".{p}." in f".{name}." for p in patterns)}

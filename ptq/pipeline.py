@@ -29,6 +29,7 @@ from ptq.coverage import Coverage, coverage, name_pattern
 from ptq.devices import compute_dtype_for, cpu_settings
 from ptq.errors import PtqError
 from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
+from ptq.models import float32_names
 from ptq.modules import QuantLinear
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
@@ -185,9 +186,11 @@ def _kv_note(kv, recipe: Recipe) -> str:
 @torch.no_grad()
 def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast the floating parameters; buffers (rotary frequencies: float32) stay as they are,
-    as from_pretrained(dtype=...) leaves them."""
-    for param in model.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+    as from_pretrained(dtype=...) leaves them, and so do the parameters the model's class
+    keeps in float32 (ptq.models.float32_names)."""
+    keep = float32_names(model)
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype and not (name in keep and param.dtype == torch.float32):
             param.data = param.data.to(dtype)
 
 

@@ -437,3 +437,19 @@ def test_an_expert_without_tokens_is_left_unsmoothed(tokenizer):
     smoothed = {pair.partition(": ")[2] for pair in model.ptq_report.smoothing}
     assert smoothed == {ATTENTION, *_experts_pairs("w3", "w2")[:3]}
     assert "mlp.experts.3.w3 -> mlp.experts.3.w2 skipped: no calibration token was routed to it" in model.ptq_report.notes
+
+
+def test_deepseek_float32_routers_stay_float32(tmp_path, tokenizer):
+    """DeepSeek keeps its router weight and score-correction bias in float32
+    (_keep_in_fp32_modules_strict): ptq computes with them, stores and loads them so."""
+    moe_model("deepseek_v3").save_pretrained(tmp_path / "src")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16)
+    routers = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    ptq.quantize(model, gptq_recipe(), tokenizer=tokenizer, show_progress=False)
+    ptq.save(model, tmp_path / "q")
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        assert {name: f.get_slice(name).get_dtype() for name in routers} == dict.fromkeys(routers, "F32")
+    loaded = ptq.load(tmp_path / "q")
+    tensors = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    assert all(tensors[name].dtype == torch.float32 for name in routers)
+    assert torch.equal(logits(model), logits(loaded))

@@ -33,7 +33,7 @@ from ptq.checkpoint.kv import KV_FILE, read_kv_state
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.kv import use_kv_cache
-from ptq.models import check_model_type
+from ptq.models import check_model_type, float32_names
 from ptq.modules import TRITON_MISSING, QuantLinear, triton_installed
 from ptq.safetensors_check import first_line, read_json_object, shorten, weight_files
 from ptq.schemes import QuantArgs, Scheme, ct_value
@@ -306,6 +306,7 @@ def _checked_state(model: nn.Module, tensors: dict[str, Tensor], tied: set[str],
         parts = [f"{what} {_some(names)}" for what, names in found.items() if names]
         raise PtqError(f"the stored tensors do not match config.json: {'; '.join(parts)}")
     buffers = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
+    keep = float32_names(model)  # DeepSeek's routers: float32 whatever the compute dtype
     state = {}
     for key, want in expected.items():  # in model order: the first layer's problem is reported
         if key not in tensors:
@@ -319,7 +320,8 @@ def _checked_state(model: nn.Module, tensors: dict[str, Tensor], tied: set[str],
         cast = key not in buffers and tensor.is_floating_point() and want.is_floating_point()
         if not cast and tensor.dtype != want.dtype:
             raise PtqError(f"tensor '{key}' is {tensor.dtype}, but config.json implies {want.dtype}")
-        state[key] = tensor.to(dtype) if cast else tensor
+        state[key] = tensor.to(torch.float32 if key in keep and tensor.dtype == torch.float32 else dtype) \
+            if cast else tensor
     return state
 
 

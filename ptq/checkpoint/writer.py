@@ -34,6 +34,7 @@ from ptq import moe
 from ptq.checkpoint import kv as kv_format
 from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
 from ptq.errors import PtqError
+from ptq.models import float32_names
 from ptq.modules import QuantLinear
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -110,14 +111,18 @@ def _transformers_load_settings(model: nn.Module, quantized: dict[str, QuantLine
 def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor, torch.dtype]]:
     """(name, tensor, dtype it is stored in) for what a checkpoint holds: quantized buffers
     as they are, other float tensors in dtype. Non-persistent buffers (rotary frequencies)
-    are left out, and so is a weight tied to another one (lm_head tied to the embeddings)."""
+    are left out, and so is a weight tied to another one (lm_head tied to the embeddings).
+    Tensors the model's class keeps in float32 (ptq.models.float32_names) stay float32."""
     seen = set()
+    keep = float32_names(model)
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
         if key in seen and tensor.numel() > 1:
             continue
         seen.add(key)
         cast = tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not _is_scale(name)
+        if name in keep and tensor.dtype == torch.float32:
+            cast = False
         yield name, tensor, dtype if cast else tensor.dtype
 
 
