@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ptq.errors import PtqError
@@ -55,16 +54,24 @@ def kv_cache(model: nn.Module, scheme: Any = None, *, fused: bool | None = None)
                            "a recipe whose kv_cache is this scheme, or use strategy kivi (INT4 / INT2)")
         k_scales, v_scales = state.k_scales, state.v_scales
     if fused is None:
-        fused = _fused_default(model)
+        fused = _fused_default(model, spec)
     layers, _, _ = attention_shape(model.config)
     return QuantizedKVCache(spec, layers, k_scales, v_scales, fused=fused)
 
 
-def _fused_default(model: nn.Module) -> bool:
+def _fused_default(model: nn.Module, spec: KVCacheScheme) -> bool:
+    """The decode kernel reads the cache on CUDA when the model's attention is ATTENTION,
+    for the layouts it knows (not keys per token; kivi groups of 16, 32, ...) and where the
+    GPU has them (fp8: sm_89+)."""
     from ptq.modules import triton_installed
 
     device = next(model.parameters()).device
-    return getattr(model.config, "_attn_implementation", None) == ATTENTION and triton_installed() and device.type == "cuda"
+    if (getattr(model.config, "_attn_implementation", None) != ATTENTION or device.type != "cuda"
+            or not triton_installed() or spec.keys == "token"):
+        return False
+    from ptq.kernels.kv_attention import is_supported
+
+    return is_supported(device, spec.kind, spec.group_size)
 
 
 def use_kv_cache(model: nn.Module, state: KVState) -> None:
