@@ -3,6 +3,8 @@
     1. kernel tests on the GPU, compiled for real (no interpreter): pytest tests/kernels
     2. benchmark on Llama-3-8B shapes (ptq.kernels.bench), then the autotuned kernels that the
        benchmark chose compared with their torch references on the same shapes
+    2b. decode attention over a quantized KV cache: decode_attention vs its reference at one large
+       shape per format, then the benchmark against bf16 SDPA and the speedup goals (about 1 minute)
     3. quantize the bundled model (W4A16 GPTQ, W8A16 RTN), load each checkpoint with the kernels,
        generate text, and compare the kernels' logits with the dequantized torch reference
 
@@ -84,6 +86,53 @@ def step_bench(quick: bool) -> bool:
     return check_autotuned(shapes, (1, 16, 256))
 
 
+KV_GOALS = {"fp8": 1.6, "int8": 1.6, "int4-g32": 2.5}  # least speedup over bf16 SDPA at contexts >= 16K
+
+
+def check_kv_attention(device="cuda", batch=4, context=8192) -> bool:
+    """decode_attention vs decode_attention_reference per format, Llama-3-8B heads, row 1 left-padded."""
+    from ptq.kernels.bench import ATTENTION_SHAPE, KV_FORMATS, kv_format_name, random_kv_store
+    from ptq.kernels.kv_attention import decode_attention, decode_attention_reference, is_supported
+
+    Hq, Hkv, D = ATTENTION_SHAPE
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, Hq, D, generator=gen, device=device).to(torch.bfloat16)
+    key_mask = torch.ones(batch, context, dtype=torch.bool, device=device)
+    key_mask[1, :context // 8] = False  # left padding
+    ok = True
+    for kind, G in KV_FORMATS:
+        name = kv_format_name(kind, G)
+        if not is_supported(device, kind, G):
+            print(f"  {name:<9} skipped: decode_attention does not run it on this GPU")
+            continue
+        store = random_kv_store(kind, batch, Hkv, context, D, G, device=device, seed=1)
+        out, lse = decode_attention(q, store, key_mask)
+        ref_out, ref_lse = decode_attention_reference(q, store, key_mask)
+        err = (out - ref_out).abs().max().item()
+        lse_err = (lse - ref_lse).abs().max().item()
+        good = err < 2**-8 and lse_err < 2**-8  # values are O(1); fp16 tl.dot operands, as in the CPU tests
+        ok &= good
+        print(f"  {name:<9} B={batch} context={context}: max |out - ref| {err:.1e}, max |lse - ref| {lse_err:.1e} "
+              f"{'ok' if good else 'FAIL'}")
+    return ok
+
+
+def step_kv_attention(quick: bool) -> bool:
+    from ptq.kernels.bench import (ATTENTION_BATCHES, ATTENTION_CONTEXTS, format_attention_table,
+                                   run_attention_benchmark)
+
+    ok = check_kv_attention()
+    batches, contexts = ((16,), (16384,)) if quick else (ATTENTION_BATCHES, ATTENTION_CONTEXTS)
+    rows = run_attention_benchmark(batches=batches, contexts=contexts)
+    print(format_attention_table(rows))
+    for name, goal in KV_GOALS.items():  # reported, not failed: timings are for reading
+        speedups = [r["speedup_vs_bf16"] for r in rows if r["kernel"] == name and r["context"] >= 16384]
+        if speedups:
+            print(f"  goal {name}: least speedup at 16K+ {min(speedups):.2f}x, goal {goal}x: "
+                  f"{'met' if min(speedups) >= goal else 'BELOW GOAL'}")
+    return ok
+
+
 def step_model(device: str = "cuda", n_windows: int = 8, seq_len: int = 512, new_tokens: int = 24) -> bool:
     """Quantize the bundled model, load it with kernels on the GPU, generate, compare logits.
 
@@ -152,6 +201,7 @@ def main(argv=None) -> int:
     results = {}
     steps = [("1 kernel tests", step_tests)] if not args.skip_tests else []
     steps.append(("2 benchmark + autotuned check", lambda: step_bench(args.quick)))
+    steps.append(("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)))
     steps.append(("3 bundled model with kernels", step_model))
     for name, step in steps:
         print(f"[{name}]")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check for ptq: kernel tests on the GPU, the benchmark table, the bundled model with kernels.
+# One prepared GPU check for ptq: kernel tests on the GPU, the benchmark tables (linears, KV-cache decode
+# attention), the bundled model with kernels.
 # Usage (from anywhere): bash scripts/gpu_check.sh [--quick] [--skip-tests]. See gpu_check.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
