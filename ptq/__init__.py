@@ -3,15 +3,18 @@
     import ptq
     model, tokenizer = ptq.load_model()                  # the bundled tiny Llama
     ptq.quantize(model, "recipes/w4a16-gptq.yaml", tokenizer=tokenizer)   # in place
-    ptq.save(model, "out/tiny-w4a16", tokenizer=tokenizer)
+    ptq.save(model, "out/tiny-w4a16", tokenizer=tokenizer)   # format="gptq" or "awq" too
     quantized = ptq.load("out/tiny-w4a16")
     print(ptq.evaluate(quantized, ptq.eval_windows(tokenizer)).perplexity)
+    ptq.push_to_hub("out/tiny-w4a16", "me/tiny-w4a16")   # with its model card, README.md
 """
 
 from ptq.checkpoint.reader import load
 from ptq.checkpoint.writer import save
 from ptq.errors import PtqError
 from ptq.evaluate import EvalResult, eval_windows, evaluate
+from ptq.export.checkpoint import convert
+from ptq.export.hub import push_to_hub
 from ptq.kv import kv_cache
 from ptq.models import load_model
 from ptq.pipeline import quantize
@@ -25,12 +28,14 @@ __all__ = [
     "QuantArgs",
     "Recipe",
     "Scheme",
+    "convert",
     "eval_windows",
     "evaluate",
     "kv_cache",
     "load",
     "load_model",
     "load_recipe",
+    "push_to_hub",
     "quantize",
     "save",
 ]

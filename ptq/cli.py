@@ -2,6 +2,9 @@
 
     ptq quantize --recipe recipes/w4a16-gptq.yaml [--model PATH_OR_HUB_NAME] [--output DIR] [--resume]
     ptq eval MODEL [--reference MODEL]
+    ptq recipe convert LLM_COMPRESSOR_RECIPE.yaml [OUT.yaml] [--overwrite]
+    ptq push OUTPUT_DIR --repo-id OWNER/NAME [--private] [--revision BRANCH]
+    ptq convert SRC DST [--format compressed-tensors|gptq|awq] [--overwrite]
     ptq bench
 
 A user mistake prints one line `ptq: error: ...` and exits with status 2; every input is
@@ -26,6 +29,7 @@ from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+FORMATS = ("compressed-tensors", "gptq", "awq")  # ptq.export.formats.FORMATS, without importing it
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,20 +47,52 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--recipe", required=True, help="a YAML recipe (see recipes/) or a preset name such as W4A16")
     q.add_argument("--model", default=None, help="model folder or Hub name (default: the bundled tiny Llama)")
     q.add_argument("--output", default=None, help="output folder (default: ./<model>-<recipe>)")
+    q.add_argument("--format", default="compressed-tensors", choices=FORMATS,
+                   help="checkpoint format (default compressed-tensors; gptq and awq hold weight-only int schemes)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing output folder that ptq wrote")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
     q.add_argument("--data", default=None, help="calibration text: builtin, a .txt/.jsonl file or a dataset name (overrides the recipe)")
     _add_eval_options(q)
     q.add_argument("--no-eval", action="store_true", help="skip the before/after quality evaluation")
     q.add_argument("--report-json", default=None, help="also write the summary's numbers to this JSON file")
+    q.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
+                   help="then upload the checkpoint to this Hugging Face Hub repo (token: HF_TOKEN or `hf auth login`)")
 
     e = commands.add_parser("eval", help="perplexity of a model; KL and top-1 agreement against a reference")
     e.add_argument("model", help="a ptq checkpoint, a model folder or a Hub name ('builtin' for the bundled model)")
     e.add_argument("--reference", default=None, help="the model to compare against (e.g. the unquantized one)")
+    e.add_argument("--slices", nargs="*", default=None, metavar="SLICE",
+                   help="per-slice perplexity, KL, top-1: prose, code, json, math, long (all five when none "
+                        "is named), or a .txt/.jsonl file or a datasets name")
     _add_eval_options(e)
 
-    b = commands.add_parser("bench", help="benchmark the bundled Triton kernels against bf16 matmul (needs a GPU)")
+    p = commands.add_parser("push", help="upload a ptq checkpoint, with its model card, to the Hugging Face Hub")
+    p.add_argument("output", help="the checkpoint folder ptq quantize or ptq.save wrote")
+    p.add_argument("--repo-id", required=True, metavar="OWNER/NAME", help="the model repo (created when missing)")
+    p.add_argument("--private", action="store_true",
+                   help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument("--revision", default=None, metavar="BRANCH",
+                   help="the branch to commit to, created from main when missing (default: main)")
+    p.add_argument("--commit-message", default=None, help="the commit's message")
+
+    v = commands.add_parser("convert", help="rewrite a quantized checkpoint (compressed-tensors, gptq, awq) in another format")
+    v.add_argument("source", help="a quantized checkpoint folder or Hub name")
+    v.add_argument("output", help="the folder to write (new, or a ptq checkpoint with --overwrite)")
+    v.add_argument("--format", default="compressed-tensors", choices=FORMATS, help="the format to write (default compressed-tensors)")
+    v.add_argument("--overwrite", action="store_true", help="replace an existing output folder that ptq wrote")
+
+    b = commands.add_parser("bench", help="benchmark the bundled Triton kernels against bf16 matmul and SDPA (needs a GPU)")
     b.add_argument("--m", type=_at_least(1), nargs="+", default=None, help="token counts M to benchmark")
+    b.add_argument("--engine", default=None, metavar="MODEL", nargs="?", const="builtin",
+                   help="instead: time generate() end to end on MODEL (default the bundled one): TTFT, TPOT, tokens/s")
+    _add_plan_parser(commands)
+
+    r = commands.add_parser("recipe", help="work with recipes")
+    recipe_commands = r.add_subparsers(dest="recipe_command", required=True, parser_class=_Parser)
+    c = recipe_commands.add_parser("convert", help="translate an llm-compressor recipe into a ptq recipe")
+    c.add_argument("input", help="an llm-compressor recipe (YAML)")
+    c.add_argument("output", nargs="?", default=None, help="the ptq recipe file to write (default: print it)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     return parser
 
 
@@ -129,14 +165,15 @@ def _source_signature(folder: Path | None) -> dict:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    import ptq
     from ptq.calibration.data import check_source, load_texts
     from ptq.calibration.resume import BlockStore
     from ptq.checkpoint.output import check_output, claim_output, local_folder, work_folder
     from ptq.models import resolve_model_path
     from ptq.pipeline import uses_calibration_data
+    from ptq.recipe import read_recipe
 
-    recipe = ptq.load_recipe(args.recipe)
+    recipe, translation_notes = read_recipe(args.recipe)  # notes: an llm-compressor recipe, translated
+    _check_recipe_format(recipe, args.format)
     if args.data is not None:
         recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"dataset": args.data})})
     device = _device(args.device)
@@ -145,11 +182,17 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     source = local_folder(location)
     check_output(output, overwrite=args.overwrite, sources=[source] if source else [])
     report_path = _report_path(args.report_json) if args.report_json else None
+    if args.push_to_hub is not None:
+        from ptq.export.hub import check_push
+
+        check_push(args.push_to_hub)  # the repo id, HF_HUB_OFFLINE and a token: before the work, no request
     cal = recipe.calibration
     if uses_calibration_data(recipe):  # checked here; ptq.quantize reads only as far as it needs
         check_source(cal.dataset, split=cal.split, text_column=cal.text_column,
                      messages_column=cal.messages_column, config_name=cal.config_name)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
+    if translation_notes is not None:
+        _print_translation(args.recipe, recipe, translation_notes)
     if args.resume and not work_folder(output).exists():
         print(f"note: --resume: no interrupted run for '{output}'; starting from the first block")
     with claim_output(output, resume=args.resume, command=args.command_line) as slot:
@@ -168,6 +211,23 @@ def cmd_quantize(args: argparse.Namespace) -> None:
             slot.keep = True
             raise PtqError(f"{error} (the finished blocks stay in '{slot.work}' for --resume)") from None
     _print_summary(output, *results, report_path, args.kv_budget_gb)
+    if args.push_to_hub is not None:
+        _push_written(output, args.push_to_hub)
+
+
+def _push_written(output: Path, repo_id: str) -> None:
+    """Upload the checkpoint just written; a failure says that it stays written and how to push it."""
+    from ptq.export.hub import push_to_hub
+
+    again = f"ptq push {shlex.quote(str(output))} --repo-id {shlex.quote(repo_id)}"
+    try:
+        url = push_to_hub(output, repo_id)
+    except PtqError as error:
+        raise PtqError(f"{error} (the checkpoint is written in '{output}': push it with {again})") from None
+    except KeyboardInterrupt:
+        raise _Interrupted(f"interrupted while pushing; the checkpoint is written in '{output}': push it with "
+                           f"{again}") from None
+    print(f"pushed {output} to {url}")
 
 
 def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot) -> tuple:
@@ -175,6 +235,7 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     from ptq import moe
     from ptq.checkpoint.writer import write_checkpoint
     from ptq.evaluate import check_windows
+    from ptq.export.card import CardFacts
     from ptq.pipeline import cast_parameters_, select_linears
     from ptq.report import size_of
 
@@ -187,6 +248,10 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
             kv_windows = _kv_windows(args, model, tokenizer, eval_texts)
     moe.unfuse_experts_(model)  # one Linear per expert, as ptq.quantize would: the sizes count them
     names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
+    if args.format != "compressed-tensors":  # before the work: what the format cannot hold
+        from ptq.export.formats import check_model
+
+        check_model(model, args.format, names, recipe.weight_step.scheme)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
     # a recipe for the KV cache alone leaves the weights as they are: nothing to compare them with
@@ -201,7 +266,14 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     del reference
     if kv_windows is not None:
         kv_quality = _evaluate_kv(model, kv_windows)
-    write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer)
+    card = CardFacts(name=slot.target.name, before=before, after=after, quality=quality, eval_text=args.eval_text,
+                     kv_quality=kv_quality, kv_budget_gb=args.kv_budget_gb)
+    if args.format == "compressed-tensors":
+        write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer, card=card)
+    else:
+        from ptq.export.checkpoint import write_checkpoint as write_in_format
+
+        write_in_format(model, slot.new_staging(), args.format, tokenizer=tokenizer, card=card)
     slot.publish()
     return names, before, after, quality, report, kv_quality
 
@@ -293,7 +365,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from ptq.pipeline import cast_parameters_
 
     device = _device(args.device)
-    texts = load_texts(args.eval_text)
+    if args.slices is not None:
+        from ptq.slices import BUNDLED, slice_texts
+
+        slices = {name: slice_texts(name) for name in (args.slices or list(BUNDLED))}  # read before the models
+    else:
+        texts = load_texts(args.eval_text)
 
     def load(name: str):
         location = resolve_model_path(name)
@@ -305,6 +382,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     model, tokenizer = load(args.model)
     reference = load(args.reference)[0] if args.reference else None
+    if args.slices is not None:
+        from ptq.slices import evaluate_slices, slices_table
+
+        print(slices_table(evaluate_slices(model, tokenizer, slices, reference=reference, seq_len=args.eval_seq_len,
+                                           max_windows=args.eval_windows)))
+        return
     windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
     check_windows(model, windows, reference)
     kv_windows = _kv_windows(args, model, tokenizer, texts) if getattr(model, "ptq_kv", None) else None
@@ -318,7 +401,62 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(_kv_table(_evaluate_kv(model, kv_windows), args.kv_budget_gb))
 
 
+def _print_translation(path: str, recipe, notes: list[str]) -> None:
+    print(f"llm-compressor recipe '{path}' translated into this ptq recipe:")
+    print("  " + recipe.to_yaml().rstrip("\n").replace("\n", "\n  "))
+    for note in notes:
+        print(f"note: {note}")
+    print()
+
+
+def cmd_recipe(args: argparse.Namespace) -> None:
+    """ptq recipe convert IN [OUT]: the ptq recipe an llm-compressor recipe translates to."""
+    from ptq.llmcompressor_recipe import converted_text
+    from ptq.recipe import read_recipe
+
+    output = _convert_output(Path(args.output), Path(args.input), args.overwrite) if args.output else None
+    recipe, notes = read_recipe(Path(args.input))
+    if notes is None:
+        raise PtqError(f"'{args.input}' is a ptq recipe, not an llm-compressor one (no '<name>_stage' of "
+                       "'<name>_modifiers'); it needs no conversion")
+    text = converted_text(recipe, notes, f"'{args.input}'")
+    if output is None:
+        print(text, end="")
+        return
+    temporary = output.with_name(f".{output.name}.ptq-tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, output)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise PtqError(f"cannot write '{output}': {error.strerror or error}") from None
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {output}")
+
+
+def _convert_output(path: Path, source: Path, overwrite: bool) -> Path:
+    """`ptq recipe convert`'s output file, checked before any reading: a new file (or, with
+    --overwrite, an existing one) in a folder that exists, not the input."""
+    if path.is_dir():
+        raise PtqError(f"'{path}' is a folder; give the file to write, such as recipe.yaml")
+    if not path.parent.resolve().is_dir():
+        raise PtqError(f"'{path}': folder '{path.parent}' does not exist; create it first")
+    if path.exists() and source.exists() and path.resolve() == source.resolve():
+        raise PtqError(f"'{path}' is the input recipe; write the ptq recipe to another file")
+    if path.exists() and not overwrite:
+        raise PtqError(f"'{path}' exists; pass --overwrite to replace it, or choose another file")
+    if not os.access(path.parent.resolve(), os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PtqError(f"'{path}': permission denied; choose another path")
+    return path
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
+    if args.engine is not None:  # generate() end to end, on any device
+        from ptq.engine_bench import format_measurements, run_engine_bench
+
+        print(format_measurements(run_engine_bench(args.engine, _device(None))))
+        return
     if not torch.cuda.is_available():
         raise PtqError("no CUDA GPU here: ptq bench measures the Triton kernels on a GPU")
     try:
@@ -326,11 +464,157 @@ def cmd_bench(args: argparse.Namespace) -> None:
     except ImportError as error:  # triton is a Linux-only dependency
         raise PtqError(f"ptq bench needs triton ({error}); pip install triton") from None
 
+    from ptq.kernels.bench import format_attention_table, run_attention_benchmark
+
     rows = run_benchmark(ms=args.m) if args.m else run_benchmark()
     print(format_table(rows))
+    print()
+    print(format_attention_table(run_attention_benchmark()))  # decode attention over quantized KV caches
 
 
-COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "bench": cmd_bench}
+def cmd_push(args: argparse.Namespace) -> None:
+    from ptq.export.hub import push_to_hub
+
+    try:
+        url = push_to_hub(args.output, args.repo_id, private=args.private, revision=args.revision,
+                          commit_message=args.commit_message)
+    except KeyboardInterrupt:
+        raise _Interrupted("interrupted; the local checkpoint is unchanged and the Hub repo may hold part of the "
+                           "upload: run the same command again") from None
+    print(f"pushed {args.output} to {url}")
+
+
+def _check_recipe_format(recipe, fmt: str) -> None:
+    """--format against the recipe, before any work: what gptq and awq cannot hold."""
+    from ptq.export.formats import scheme_problem
+
+    step = recipe.weight_step
+    if fmt == "compressed-tensors":
+        return
+    if step is None:
+        raise PtqError(f"--format {fmt} holds quantized weights, and the recipe quantizes the KV cache alone: "
+                       "use --format compressed-tensors")
+    problem = scheme_problem(fmt, step.scheme, actorder=getattr(step, "actorder", None),
+                             kv_cache=recipe.kv_cache is not None)
+    if problem:
+        raise PtqError(f"--format {fmt}: {problem}")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from ptq.export.checkpoint import convert
+
+    written = convert(args.source, args.output, format=args.format, overwrite=args.overwrite)
+    print(f"wrote {written} ({args.format})")
+
+
+def _add_plan_parser(commands) -> None:
+    p = commands.add_parser("plan", help="will it fit, what binds, which scheme: bounds per scheme on a GPU")
+    p.add_argument("model", nargs="?", help="a model folder (config.json is enough), a ptq checkpoint, a Hub name "
+                   "or 'builtin'")
+    p.add_argument("--gpu", default=None, help="an accelerator of the bundled table (default H100-SXM; see --list-gpus)")
+    p.add_argument("--list-gpus", action="store_true", help="print the bundled accelerator table and its sources")
+    p.add_argument("--memory-gb", type=float, default=None, help="another GPU: its memory (GB)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="another GPU: its memory bandwidth (GB/s)")
+    p.add_argument("--tflops", type=float, default=None, help="another GPU: its dense bf16 rate (TFLOP/s)")
+    p.add_argument("--fp8", action="store_true", help="another GPU: it has fp8 tensor cores (at 2x --tflops)")
+    p.add_argument("--gpus", type=_at_least(1), default=1, help="GPUs in tensor parallel (default 1)")
+    p.add_argument("--context", type=_at_least(1), default=None, help="tokens per request, prompt + output (default 8192)")
+    p.add_argument("--prompt-tokens", type=_at_least(1), default=None, help="prompt length (default context - output)")
+    p.add_argument("--output-tokens", type=_at_least(1), default=None, help="tokens generated (default 512)")
+    p.add_argument("--concurrency", type=_at_least(1), default=None, help="requests served at once (a constraint)")
+    p.add_argument("--target-tpot-ms", type=float, default=None, help="time per output token wanted (a constraint)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="share of each GPU's memory the engine takes (vLLM's default 0.90)")
+    p.add_argument("--workspace-gb", type=float, default=1.0, help="per GPU, for activations and CUDA graphs (default 1)")
+    p.add_argument("--candidate", action="append", default=[], metavar="PRESET_OR_RECIPE",
+                   help="also plan this scheme: a preset (W8A16, FP8, ...) or a recipe file; repeatable")
+    p.add_argument("--explain", action="store_true", help="show the arithmetic behind every number")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw a roofline and a memory bar (needs ptq[plot])")
+    p.add_argument("--measure", action="store_true", help="also run generate() on MODEL here and set the timings "
+                   "beside the bounds (the bundled model on a CPU)")
+    p.add_argument("--checkpoint", default=None, help="with --measure: a quantized checkpoint of MODEL to time too")
+    p.add_argument("--device", default=None, help="with --measure: the device (default cuda if available, else cpu)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a config with auto_map (its code is not run)")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
+    from ptq import plan
+    from ptq.plan import render
+    from ptq.recipe import read_recipe
+
+    if args.list_gpus:
+        print("\n".join(f"{a.name:<10} {a.memory_gb:>5g} GB {a.bandwidth_gbs:>6,.0f} GB/s  bf16 {a.bf16_tflops:>6g}  "
+                        f"fp8 {a.fp8_tflops or '-':>6}  int8 {a.int8_tops or '-':>6} TFLOP/s  ({a.source})"
+                        for a in plan.ACCELERATORS.values()))
+        return
+    if args.model is None:
+        raise PtqError("give the MODEL to plan: a model folder, a ptq checkpoint, a Hub name or 'builtin'")
+    acc = _plan_accelerator(args)
+    work = plan.workload(args.context, args.prompt_tokens, args.output_tokens, concurrency=args.concurrency,
+                         target_tpot_ms=args.target_tpot_ms, gpus=args.gpus,
+                         utilization=args.gpu_memory_utilization, workspace_gb=args.workspace_gb)
+    if args.plot is not None:
+        _plot_path(args.plot)
+    if args.checkpoint is not None and not args.measure:
+        raise PtqError("--checkpoint is for --measure (the checkpoint planned is MODEL itself); add --measure")
+    extra = [plan.candidate_from_recipe(Path(c).stem if Path(c).suffix else c.upper(), read_recipe(c)[0])
+             for c in args.candidate]
+    facts = plan.read_model(args.model, trust_remote_code=args.trust_remote_code)
+    estimates = plan.evaluate_candidates(facts, acc, work, extra)
+    chosen, why = plan.recommend(estimates, work)
+    if args.json:
+        print(json.dumps(render.as_json(facts, acc, work, estimates, chosen, why), indent=2))
+    else:
+        print(render.text(facts, acc, work, estimates, chosen, why, explain=args.explain))
+    if args.plot is not None:
+        render.plot(args.plot, acc, work, estimates)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    if args.measure:
+        _measure(args, work)
+
+
+def _plan_accelerator(args: argparse.Namespace):
+    from ptq import plan
+
+    given = [args.memory_gb, args.bandwidth_gbs, args.tflops]
+    if any(v is not None for v in given):
+        if args.gpu is not None:
+            raise PtqError("give --gpu or --memory-gb/--bandwidth-gbs/--tflops, not both")
+        if None in given:
+            raise PtqError("another GPU needs all three of --memory-gb, --bandwidth-gbs and --tflops")
+        return plan.custom(*given, fp8=args.fp8)
+    return plan.accelerator(args.gpu or "H100-SXM")
+
+
+def _plot_path(name: str) -> None:
+    """--plot's file, checked before any work; and matplotlib, which it needs."""
+    from ptq.plan.render import PLOT_MISSING
+
+    path = Path(name)
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise PtqError(f"--plot '{name[:60]}': give a .png, .svg or .pdf file")
+    if path.is_dir() or not path.parent.resolve().is_dir():
+        raise PtqError(f"--plot '{name[:60]}': folder '{path.parent}' does not exist or the path is a folder")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PtqError(PLOT_MISSING) from None
+
+
+def _measure(args: argparse.Namespace, work) -> None:
+    from ptq.engine_bench import format_measurements, run_engine_bench
+
+    device = _device(args.device)
+    result = run_engine_bench(args.model, device, checkpoint=args.checkpoint)
+    print()
+    print(format_measurements(result))
+
+
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "push": cmd_push, "recipe": cmd_recipe, "bench": cmd_bench,
+            "convert": cmd_convert, "plan": cmd_plan}
 
 
 def _quiet_transformers() -> None:

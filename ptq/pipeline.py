@@ -50,6 +50,7 @@ class QuantizationReport:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # where the time went, seconds
     smoothing: dict[str, str] = field(default_factory=dict)  # "block: pair" -> what was applied
+    calibration_data: str | None = None  # what data= was, when not the recipe's source (the model card)
 
     def add_time(self, what: str, seconds: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + seconds
@@ -150,6 +151,8 @@ def quantize(
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
                                 device.type, coverage=planned)
+    if data is not None and uses_calibration_data(recipe):
+        report.calibration_data = _describe_data(data)
     if device.type == "cpu":
         report.cpu = cpu_settings()
     if planned is not None:
@@ -173,6 +176,14 @@ def quantize(
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
+
+
+def _describe_data(data) -> str:
+    """ptq.quantize's data= in a few words (the checkpoint's model card names the source)."""
+    if isinstance(data, torch.Tensor):
+        return f"token ids {list(data.shape)} given to ptq.quantize"
+    count = f" of {len(data):,} items" if hasattr(data, "__len__") else ""
+    return f"a {type(data).__name__}{count} given to ptq.quantize"
 
 
 def _kv_note(kv, recipe: Recipe) -> str:
@@ -348,6 +359,8 @@ def _quantize_with_calibration(
     resumed = _resume(model, blocks_path, batches, step, report, store) if store else {}
 
     orders: dict[tuple, Stages] = {}  # blocks of one class and Linears run in one order
+    kept = float32_names(model)
+    float32_ids = {id(p) for n, p in model.named_parameters() if n in kept and p.dtype == torch.float32}
     make_observer = _make_observer(step)
 
     def process(run: BlockRun) -> Inputs | None:
@@ -371,7 +384,7 @@ def _quantize_with_calibration(
             report.smoothing.update({f"{run.name}: {pair}": what for pair, what in done.items()})
             report.notes.extend(note for note in skipped if note not in report.notes)
         if recipe.transforms:
-            _round_to_(run.block, report.checkpoint_dtype)
+            _round_to_(run.block, report.checkpoint_dtype, float32_ids)
         if not needs_calibration(step):
             _quantize_rtn(model, {prefix + n: m for n, m in mine.items()}, step, report)
             return None
@@ -444,11 +457,12 @@ def _resume(model, blocks_path: str, batches, step: WeightStep, report, store: B
 
 
 @torch.no_grad()
-def _round_to_(module: nn.Module, dtype: torch.dtype) -> None:
+def _round_to_(module: nn.Module, dtype: torch.dtype, keep: set[int] = frozenset()) -> None:
     """Round rescaled parameters to the checkpoint dtype, so that the model in memory is
-    the one the checkpoint stores (norms are saved in that dtype, not quantized)."""
+    the one the checkpoint stores (norms are saved in that dtype, not quantized); `keep`:
+    ids of parameters stored in float32 (ptq.models.float32_names)."""
     for param in module.parameters():
-        if param.is_floating_point():
+        if param.is_floating_point() and id(param) not in keep:
             param.copy_(param.to(dtype))
 
 

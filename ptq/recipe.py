@@ -391,18 +391,30 @@ def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
 
 
 def load_recipe(value: str | Path | Recipe) -> Recipe:
-    """A Recipe from a Recipe, a YAML file path, or a scheme preset name (RTN)."""
+    """A Recipe from a Recipe, a YAML file path (ptq's recipe, or llm-compressor's, translated:
+    ptq.llmcompressor_recipe), or a scheme preset name (RTN)."""
+    return read_recipe(value)[0]
+
+
+def read_recipe(value: str | Path | Recipe) -> tuple[Recipe, list[str] | None]:
+    """load_recipe, and the notes on the translation when `value` is an llm-compressor recipe
+    file (None for ptq's own recipes and presets)."""
+    from ptq.llmcompressor_recipe import is_llmcompressor_recipe, translate  # it builds on this module
+
     if isinstance(value, Recipe):
-        return value
+        return value, None
     if not isinstance(value, (str, Path)):
         raise PtqError(
             f"a recipe is a Recipe, a YAML file path or a preset name ({', '.join(PRESETS)}), "
             f"not {type(value).__name__}"
         )
     if isinstance(value, str) and value.upper() in PRESETS:
-        return Recipe(steps=[RTNStep(scheme=PRESETS[value.upper()])])
+        return Recipe(steps=[RTNStep(scheme=PRESETS[value.upper()])]), None
     path = Path(value)
-    return parse_recipe(_read_yaml(path), f"recipe '{_cut(str(path))}'")
+    data = _read_yaml(path)
+    if is_llmcompressor_recipe(data):
+        return translate(data, f"llm-compressor recipe '{_cut(str(path))}'")
+    return parse_recipe(data, f"recipe '{_cut(str(path))}'"), None
 
 
 class _AliasLoader(yaml.SafeLoader):

@@ -7,6 +7,8 @@
        shape per format, then the benchmark against bf16 SDPA and the speedup goals (about 1 minute)
     3. quantize the bundled model (W4A16 GPTQ, W8A16 RTN), load each checkpoint with the kernels,
        generate text, and compare the kernels' logits with the dequantized torch reference
+    4. the engine benchmark (ptq bench --engine): generate() on the bundled model, TTFT / TPOT beside
+       ptq plan's bounds for this GPU
 
 Run it from the repository root: `bash scripts/gpu_check.sh` (or `python scripts/gpu_check.py`).
 Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 0 otherwise.
@@ -174,6 +176,14 @@ def step_model(device: str = "cuda", n_windows: int = 8, seq_len: int = 512, new
     return ok
 
 
+def step_engine() -> bool:
+    """generate() timed on the bundled model beside ptq plan's bounds for this GPU (ptq bench --engine)."""
+    from ptq.engine_bench import format_measurements, run_engine_bench
+
+    print("  " + format_measurements(run_engine_bench("builtin", torch.device("cuda"))).replace("\n", "\n  "))
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
@@ -203,6 +213,7 @@ def main(argv=None) -> int:
     steps.append(("2 benchmark + autotuned check", lambda: step_bench(args.quick)))
     steps.append(("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)))
     steps.append(("3 bundled model with kernels", step_model))
+    steps.append(("4 engine benchmark vs ptq plan's bounds", step_engine))
     for name, step in steps:
         print(f"[{name}]")
         start = time.time()

@@ -1,4 +1,5 @@
-"""Read a compressed-tensors checkpoint into a model whose quantized Linears are QuantLinears.
+"""Read a compressed-tensors checkpoint into a model whose quantized Linears are QuantLinears
+(GPTQ and AWQ checkpoints too: ptq.export.formats turns them into compressed-tensors first).
 
 The model skeleton is built from config.json with empty parameters (buffers such as
 rotary frequencies are computed as usual), each Linear that a config group targets and
@@ -32,6 +33,7 @@ from ptq import moe
 from ptq.checkpoint.kv import KV_FILE, read_kv_state
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
+from ptq.export.formats import FOREIGN_METHODS, as_compressed_tensors
 from ptq.kv import use_kv_cache
 from ptq.models import check_model_type, float32_names
 from ptq.modules import TRITON_MISSING, QuantLinear, triton_installed
@@ -80,10 +82,14 @@ def load(
 
 def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend: str) -> nn.Module:
     raw, qconfig = _read_config(folder)
+    tensors = None
+    if qconfig is not None and qconfig.get("quant_method") in FOREIGN_METHODS:  # GPTQ, AWQ
+        # read as their compressed-tensors form (ptq.export.formats), integers bit-exact
+        qconfig, tensors = as_compressed_tensors(qconfig, read_tensors(folder), _stored_dtype(raw))
     groups = group_schemes(qconfig) if qconfig is not None else []
     ignore = _patterns((qconfig or {}).get("ignore") or [], "quantization_config ignore")
     dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
-    tensors = read_tensors(folder)
+    tensors = read_tensors(folder) if tensors is None else tensors
     # built in the stored dtype, as the model ptq quantized was: buffers computed at build time
     # (Gemma's embed_scale) get the same bits; parameters are assigned in `dtype` below
     model = _skeleton(folder, _stored_dtype(raw))
@@ -127,8 +133,8 @@ def _read_config(folder: Path) -> tuple[dict, dict | None]:
     if qconfig is None and (folder / KV_FILE).is_file():
         check_model_type(raw)
         return raw, None
-    if not isinstance(qconfig, dict) or qconfig.get("quant_method") != "compressed-tensors":
-        raise PtqError("not a compressed-tensors checkpoint (config.json has no such quantization_config)")
+    if not isinstance(qconfig, dict) or qconfig.get("quant_method") not in ("compressed-tensors", *FOREIGN_METHODS):
+        raise PtqError("not a compressed-tensors checkpoint, nor a gptq or awq one (config.json has no such quantization_config)")
     if "auto_map" in raw:
         raise PtqError("it needs its own code (auto_map in config.json); ptq.load builds transformers' own models only")
     check_model_type(raw)

@@ -3,7 +3,8 @@
 The folder holds what save_pretrained writes, config.json (with `quantization_config`, in
 compressed-tensors' own classes), generation_config.json, the weights as safetensors
 (sharded with model.safetensors.index.json past max_shard_bytes) and the tokenizer, and
-recipe.yaml and ptq.json (the manifest: the files written and the settings of the run).
+recipe.yaml, README.md (the model card, ptq.export.card) and ptq.json (the manifest: the
+files written and the settings of the run).
 Everything is written into a work folder beside the target and renamed into place at the
 end, so a failed save leaves nothing behind (ptq.checkpoint.output).
 """
@@ -34,6 +35,7 @@ from ptq import moe
 from ptq.checkpoint import kv as kv_format
 from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
 from ptq.errors import PtqError
+from ptq.export.card import CardFacts, write_model_card
 from ptq.models import float32_names
 from ptq.modules import QuantLinear
 
@@ -170,21 +172,33 @@ def save(
     tokenizer=None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    format: str = "compressed-tensors",
 ) -> Path:
     """Write the quantized model to `path` (a new folder, or a ptq checkpoint to overwrite)
-    and return it. The source model's folder is never written to (see ptq.checkpoint.output)."""
+    and return it. The source model's folder is never written to (see ptq.checkpoint.output).
+    format: "compressed-tensors", "gptq" or "awq" (ptq.export.formats says what each holds)."""
+    from ptq.export.formats import COMPRESSED_TENSORS, check_format
+
     target = Path(path)
+    check_format(format)
     source = local_folder(getattr(model.config, "_name_or_path", None))
     check_output(target, overwrite=overwrite, sources=[source] if source else [])
+    if format != COMPRESSED_TENSORS:
+        from ptq.export.checkpoint import save_as
+
+        return save_as(model, target, format, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
     quantization_config(model)  # raises for a model with nothing quantized, before any file
     with claim_output(target) as slot:
-        write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+        write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
+                         card=CardFacts(name=target.resolve().name))
         slot.publish()
     return target.resolve()
 
 
-def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write the checkpoint's files into the (empty) folder; its manifest last."""
+def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     card: CardFacts | None = None) -> None:
+    """Write the checkpoint's files into the (empty) folder; its manifest last. card: what the
+    run measured (sizes, evaluation) for the model card, README.md (ptq.export.card)."""
     report = getattr(model, "ptq_report", None)
     dtype = report.checkpoint_dtype if report else model.config.dtype
     config = model.config.to_dict()
@@ -208,6 +222,7 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
             tokenizer.save_pretrained(folder)
         if report is not None:
             (folder / "recipe.yaml").write_text(report.recipe.to_yaml())
+        write_model_card(model, folder, card)
         write_manifest(folder, run_settings(report))
     except OSError as error:
         raise PtqError(f"writing the checkpoint failed: {error.strerror or error}; check the free space") from None

@@ -31,7 +31,8 @@ def test_overwrite_replaces_a_ptq_checkpoint(tmp_path, quantized):
     target = tmp_path / "q"
     ptq.save(quantized, target)
     manifest = json.loads((target / output.MANIFEST).read_text())
-    assert sorted(manifest["files"]) == ["config.json", "generation_config.json", "model.safetensors", "recipe.yaml"]
+    assert sorted(manifest["files"]) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                                         "recipe.yaml"]
     assert manifest["compute_dtype"] in ("bfloat16", "float32") and manifest["writer"] == "ptq"
     (target / "model.safetensors").write_bytes(b"stale")
     ptq.save(quantized, target, overwrite=True)

@@ -46,7 +46,8 @@ def test_config_and_files(tmp_path):
     model = quantized_tiny("W4A16_ASYM")
     ptq.save(model, tmp_path / "q")
     files = sorted(p.name for p in (tmp_path / "q").iterdir())
-    assert files == ["config.json", "generation_config.json", "model.safetensors", "ptq.json", "recipe.yaml"]
+    assert files == ["README.md", "config.json", "generation_config.json", "model.safetensors", "ptq.json",
+                     "recipe.yaml"]
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["ignore"] == ["lm_head"]
