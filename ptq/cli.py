@@ -109,6 +109,16 @@ def _at_least(low: int):
     return parse
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text[:40]}' is not a number") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text[:40]} is not a positive number")
+    return value
+
+
 def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     parser.add_argument("--eval-text", default="builtin-eval", help="held-out text: builtin-eval or a .txt/.jsonl file")
@@ -117,7 +127,7 @@ def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-eval-seq-len", type=_at_least(2), default=None,
                         help="KV cache evaluation: tokens per window (default: the model's context, at most 2048)")
     parser.add_argument("--kv-eval-windows", type=_at_least(1), default=8, help="KV cache evaluation: at most this many windows")
-    parser.add_argument("--kv-budget-gb", type=float, default=1.0, help="KV cache memory budget the report counts tokens in (GiB)")
+    parser.add_argument("--kv-budget-gb", type=_positive, default=1.0, help="KV cache memory budget the report counts tokens in (GiB)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model folder's own Python code (auto_map); only for models you trust")
 

@@ -59,3 +59,10 @@ def test_summary_has_kv_rows(tmp_path, capsys):
     assert (tmp_path / "out" / "kv_cache.json").is_file()
     code = main(["eval", str(tmp_path / "out"), "--kv-eval-windows", "1", "--eval-windows", "2"])
     assert code == 0 and "KV perplexity, positions 1K-2K" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["-3", "0", "nan", "lots"])
+def test_kv_budget_must_be_a_positive_number(tmp_path, capsys, budget):
+    code, out = run(tmp_path, capsys, "kv_cache: {scheme: INT4, strategy: kivi}", "--kv-budget-gb", budget)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1 and "--kv-budget-gb" in out.err
+    assert not (tmp_path / "out").exists()
