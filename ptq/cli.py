@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("model", help="a ptq checkpoint, a model folder or a Hub name ('builtin' for the bundled model)")
     e.add_argument("--reference", default=None, help="the model to compare against (e.g. the unquantized one)")
     e.add_argument("--slices", nargs="*", default=None, metavar="SLICE",
-                   help="per-slice perplexity, KL, top-1: prose, code, json, math, long (all five when none "
+                   help="per-slice perplexity, KL, top-1: prose, code, json, math, multilingual, long (all when none "
                         "is named), or a .txt/.jsonl file or a datasets name")
     _add_eval_options(e)
 

@@ -7,10 +7,11 @@ tokenizer:
 - code: Python standard-library source;
 - json: JSON lines describing standard-library functions and classes;
 - math: the numeric test vectors of `math` and `cmath`;
+- multilingual: German, Spanish, French and Japanese prose (the Debian Edu manual's
+  translations, GPL-2+), 6,000 tokens each;
 - long: the prose again, in windows of the model's whole context (at most 8,192 tokens):
   what quantization errors do far from the start of a window.
-There is no bundled multilingual slice (nothing licence-clean and long enough on the machine
-that made them); a .txt / .jsonl file or a `datasets` name works as a slice of its own.
+A .txt / .jsonl file or a `datasets` name works as a slice of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from torch import nn
 from ptq.calibration.data import load_texts
 from ptq.evaluate import EvalResult, check_windows, eval_windows, evaluate
 
-BUNDLED = {"prose": None, "code": "slice-code.txt", "json": "slice-json.txt", "math": "slice-math.txt", "long": None}
+BUNDLED = {"prose": None, "code": "slice-code.txt", "json": "slice-json.txt", "math": "slice-math.txt",
+           "multilingual": "slice-multilingual.txt", "long": None}
 LONG_MAX = 8192
 SEPARATOR = "\n\f\n"  # between documents of a bundled slice file
 

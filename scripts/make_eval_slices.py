@@ -1,9 +1,9 @@
 """Write the bundled evaluation slices (calib_data/slice-*.txt) from this machine's Python install.
 
-    python scripts/make_eval_slices.py [--stdlib DIR] [--tokens 24000]
+    python scripts/make_eval_slices.py [--stdlib DIR] [--tokens 24000] [--edu-doc DIR] [--only SLICE ...]
 
-Every source is a file of CPython's standard library or its test suite, under the PSF
-License Agreement (see calib_data/SOURCES.md); nothing is downloaded. Each slice is cut at
+The code, json and math sources are files of CPython's standard library or its test suite,
+under the PSF License Agreement (see calib_data/SOURCES.md); nothing is downloaded. Each slice is cut at
 --tokens tokens of the bundled tokenizer (at a line end); documents are separated by a line
 holding a form feed. Reruns on the same Python version give the same files.
 
@@ -13,9 +13,10 @@ holding a form feed. Reruns on the same Python version give the same files.
 - math: the numeric test vectors of `math` and `cmath` (Lib/test/math_testcases.txt,
   cmath_testcases.txt): function, argument, expected value and flags, one per line.
 
-Not made here: a multilingual slice. The only non-English prose in the install is
-Lib/test/cjkencodings (11 texts, 3,097 characters, about 6,700 tokens once deduplicated), under
-the 20,000 tokens a slice needs; give a local file or a `datasets` name to `ptq eval --slices`.
+- multilingual (with --edu-doc): German, Spanish, French and Japanese prose, a quarter of the
+  tokens each, from the Debian Edu 12 manual's translations (Debian packages
+  debian-edu-doc-{de,es,fr,ja}, GPL-2+; see calib_data/SOURCES.md for the commands). The
+  standard library's only non-English prose, Lib/test/cjkencodings, holds about 6,700 tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import ast
 import json
 import sysconfig
+from html.parser import HTMLParser
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +36,38 @@ CODE_MODULES = ("textwrap.py", "fractions.py", "heapq.py", "bisect.py", "graphli
 JSON_MODULES = ("string.py", "csv.py", "calendar.py", "ipaddress.py", "datetime.py", "inspect.py", "pathlib.py",
                 "typing.py")
 MATH_FILES = ("test/math_testcases.txt", "test/cmath_testcases.txt")
+EDU_LANGUAGES = ("de", "es", "fr", "ja")  # the Debian Edu bookworm manual's translations (GPL-2+)
+EDU_MANUAL = "usr/share/doc/debian-edu-doc-{lang}/debian-edu-bookworm-manual.html"
+
+
+class _Paragraphs(HTMLParser):
+    """The text of every <p> element, whitespace collapsed."""
+
+    def __init__(self):
+        super().__init__()
+        self.paragraphs: list[str] = []
+        self._open: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "p":
+            self._open = []
+
+    def handle_endtag(self, tag):
+        if tag == "p" and self._open is not None:
+            text = " ".join("".join(self._open).split())
+            if len(text) >= 40:  # prose, not captions and menu paths
+                self.paragraphs.append(text)
+            self._open = None
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open.append(data)
+
+
+def _manual_paragraphs(path: Path) -> str:
+    parser = _Paragraphs()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return "\n".join(parser.paragraphs)
 
 
 def _cut(documents: list[str], tokenizer, limit: int) -> str:
@@ -77,6 +111,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="the standard library folder")
     parser.add_argument("--tokens", type=int, default=24_000, help="tokens per slice (bundled tokenizer)")
+    parser.add_argument("--edu-doc", type=Path, default=None,
+                        help="a folder holding the extracted debian-edu-doc-{de,es,fr,ja} packages (apt-get download "
+                             "debian-edu-doc-de ...; dpkg-deb -x each into it): writes the multilingual slice")
+    parser.add_argument("--only", nargs="*", default=None, help="write only these slices")
     args = parser.parse_args()
     from ptq.models import load_tokenizer
 
@@ -88,8 +126,16 @@ def main() -> None:
         "math": [(stdlib / f).read_text(encoding="utf-8") for f in MATH_FILES],
     }
     for name, documents in slices.items():
+        if args.only is not None and name not in args.only:
+            continue
         path = OUT / f"slice-{name}.txt"
         path.write_text(_cut(documents, tokenizer, args.tokens), encoding="utf-8")
+        print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size:,} bytes)")
+    if args.edu_doc is not None:  # a quarter of the tokens from each language
+        parts = [_cut([_manual_paragraphs(args.edu_doc / EDU_MANUAL.format(lang=lang))], tokenizer, args.tokens // 4)
+                 for lang in EDU_LANGUAGES]
+        path = OUT / "slice-multilingual.txt"
+        path.write_text(SEPARATOR.join(part.rstrip("\n") for part in parts) + "\n", encoding="utf-8")
         print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size:,} bytes)")
 
 
