@@ -9,6 +9,10 @@
     ptq.push_to_hub("out/tiny-w4a16", "me/tiny-w4a16")   # with its model card, README.md
 """
 
+from ptq.openmp import default_spin_count
+
+default_spin_count()  # before torch loads its OpenMP runtime: see ptq/openmp.py
+
 from ptq.checkpoint.reader import load
 from ptq.checkpoint.writer import save
 from ptq.errors import PtqError

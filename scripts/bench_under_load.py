@@ -1,0 +1,150 @@
+"""ptq's RTN and GPTQ on the bundled model, on a quiet CPU and under load, side by side.
+
+    python scripts/bench_under_load.py [--repeats 1] [--timeout 120] [--llmc-python PY]
+
+Each run is `ptq quantize --recipe recipes/w4a16-{rtn,gptq}.yaml --no-eval` in its own
+process; the table shows the quantize time ptq reports and the whole command's wall
+time (Python and torch imports included), first with the machine as it is ("quiet"), then
+with one busy process (`while True: pass`) per core this process may use, started and
+stopped here. Settings, each forced through the environment of the ptq process:
+
+- old: libgomp's default spin (GOMP_SPINCOUNT=300000, about 3 ms), ptq before the fix;
+- new: ptq's default (GOMP_SPINCOUNT=ptq.openmp.SPIN_COUNT, set when ptq is imported);
+- passive: OMP_WAIT_POLICY=PASSIVE (idle threads sleep at once);
+- 1 thread: OMP_NUM_THREADS=1 with the new spin count.
+
+A run past --timeout counts as that many seconds and shows as ">". With llm-compressor
+importable (here or in --llmc-python's venv) its GPTQ on the same model, bf16, 128 x 512
+calibration tokens, is timed the same way (scripts/llmcompressor_worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {
+    "old": {"GOMP_SPINCOUNT": "300000"},
+    "new": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+}
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def busy_cores(n: int) -> Iterator[None]:
+    """n processes that each keep a core busy, for the duration of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    time.sleep(0.5)  # let them reach the scheduler's steady state
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def run(command: list[str], report: Path | None, env: dict[str, str], timeout: float) -> tuple[float, float]:
+    """(quantize seconds from the report or nan, wall seconds); both `timeout` when it ran out."""
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return timeout, timeout
+    if result.returncode != 0:
+        raise SystemExit(f"{shlex.join(command)} failed:\n{result.stderr[-3000:]}")
+    wall = time.perf_counter() - start
+    return (json.loads(report.read_text())["seconds"] if report else float("nan")), wall
+
+
+def ptq_command(recipe: str, work: Path) -> tuple[list[str], Path]:
+    """A fresh output folder each time: a run stopped by the timeout leaves an unfinished one."""
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    return [sys.executable, "-m", "ptq", "quantize", "--recipe", f"recipes/w4a16-{recipe}.yaml", "--no-eval",
+            "--output", str(run_dir / "out"), "--report-json", str(run_dir / "report.json")], run_dir / "report.json"
+
+
+def llmc_python(given: str | None) -> str | None:
+    if given:
+        return given
+    found = subprocess.run([sys.executable, "-c", "import llmcompressor"], capture_output=True).returncode == 0
+    return sys.executable if found else None
+
+
+def llmc_command(python: str, work: Path) -> list[str]:
+    """llm-compressor's GPTQ on the bundled model and the token ids ptq's GPTQ recipe uses."""
+    import torch
+    import transformers
+
+    from ptq.calibration.data import calibration_batches
+    from ptq.models import bundled_model_path
+
+    ids = work / "ids.pt"
+    if not ids.exists():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_path())
+        torch.save(calibration_batches(tokenizer, "builtin", samples=128, seq_len=512, seed=0), ids)
+    return [python, str(ROOT / "scripts" / "llmcompressor_worker.py"), "--model", str(bundled_model_path()),
+            "--ids", str(ids), "--out", str(work / "llmc-out"), "--dtype", "bfloat16"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case (medians shown)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a run is stopped")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--recipes", nargs="+", default=["rtn", "gptq"], choices=["rtn", "gptq"])
+    parser.add_argument("--llmc-python", default=None, help="python of a venv with llmcompressor installed")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="ptq-bench-load-"))
+    base = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+    cases = [(f"ptq {recipe}", setting, functools.partial(ptq_command, recipe, work), {**base, **SETTINGS[setting]})
+             for recipe in args.recipes for setting in args.settings]
+    python = llmc_python(args.llmc_python)
+    if python:
+        llmc = llmc_command(python, work)
+        cases.append(("llm-compressor gptq", "bf16", lambda: (llmc, None), dict(os.environ)))
+    cores = len(os.sched_getaffinity(0))
+    times: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    for load in ("quiet", "loaded"):
+        with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
+            for _ in range(args.repeats):  # cases take turns, so drift in the machine hits all alike
+                for tool, setting, command, env in cases:
+                    result = run(*command(), env, args.timeout)
+                    times.setdefault((tool, setting, load), []).append(result)
+                    print(f"{load:6} {tool:20} {setting:8} quantize {result[0]:7.2f} s  wall {result[1]:7.2f} s",
+                          flush=True)
+
+    def shown(seconds: float) -> str:
+        return f">{seconds:.0f}" if seconds >= args.timeout else f"{seconds:.2f}"
+
+    print(f"\n{cores} cores; loaded: {cores} busy processes beside ptq. Seconds (median of {args.repeats}); "
+          "quantize = ptq's own timing, wall = the whole command")
+    print(f"{'tool':20} {'setting':8} {'quantize quiet':>14} {'loaded':>8} {'slowdown':>9}"
+          f" {'wall quiet':>11} {'loaded':>8} {'slowdown':>9}")
+    for tool, setting, *_ in cases:
+        cells = []
+        for index in (0, 1):
+            quiet, loaded = (statistics.median(r[index] for r in times[(tool, setting, load)])
+                             for load in ("quiet", "loaded"))
+            known = quiet == quiet and max(quiet, loaded) < args.timeout  # no nan, no run stopped
+            cells += [shown(quiet), shown(loaded), f"{loaded / quiet:.1f}x" if known else "-"]
+        print(f"{tool:20} {setting:8} {cells[0]:>14} {cells[1]:>8} {cells[2]:>9} {cells[3]:>11} {cells[4]:>8}"
+              f" {cells[5]:>9}")
+
+
+if __name__ == "__main__":
+    main()
