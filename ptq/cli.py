@@ -15,9 +15,9 @@ checked before the work starts. Ctrl-C (or SIGTERM) prints one line and exits wi
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--data", default=None, help="calibration text: builtin, a .txt/.jsonl file or a dataset name (overrides the recipe)")
     _add_eval_options(q)
     q.add_argument("--no-eval", action="store_true", help="skip the before/after quality evaluation")
+    q.add_argument("--stream", action="store_true",
+                   help="read a local model folder's safetensors one block at a time and write each block as it is "
+                        "done, never holding the whole model (with --no-eval; no --resume, KV cache or MoE yet)")
     q.add_argument("--report-json", default=None, help="also write the summary's numbers to this JSON file")
     q.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
                    help="then upload the checkpoint to this Hugging Face Hub repo (token: HF_TOKEN or `hf auth login`)")
@@ -200,6 +203,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     if uses_calibration_data(recipe):  # checked here; ptq.quantize reads only as far as it needs
         check_source(cal.dataset, split=cal.split, text_column=cal.text_column,
                      messages_column=cal.messages_column, config_name=cal.config_name)
+    if args.stream:
+        _check_stream(args, source, recipe)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
     if translation_notes is not None:
         _print_translation(args.recipe, recipe, translation_notes)
@@ -208,7 +213,10 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     with claim_output(output, resume=args.resume, command=args.command_line) as slot:
         store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
         try:
-            results = _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
+            if args.stream:
+                results = _quantize_streamed_and_write(args, recipe, source, device, slot)
+            else:
+                results = _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
         except KeyboardInterrupt:
             if store.finished:
                 slot.keep = True
@@ -246,7 +254,7 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     from ptq.checkpoint.writer import write_checkpoint
     from ptq.evaluate import check_windows
     from ptq.export.card import CardFacts
-    from ptq.pipeline import cast_parameters_, select_linears
+    from ptq.pipeline import check_finite, select_linears
     from ptq.report import size_of
 
     model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
@@ -265,15 +273,19 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
     # a recipe for the KV cache alone leaves the weights as they are: nothing to compare them with
-    reference = None if windows is None or recipe.weight_step is None else copy.deepcopy(model)
-    ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
+    reference = None
+    if windows is not None and recipe.weight_step is not None:
+        check_finite(model)  # as ptq.quantize would, before the reference's logits find it
+        reference = _reference_logits(model, windows, slot.work / "reference-logits", compute_dtype_for(device, dtype))
+    try:
+        ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
+        quality = None if reference is None else ptq.evaluate(model, windows, reference=reference)
+    finally:
+        if reference is not None:
+            reference.remove()
     report = model.ptq_report
     after = size_of(model, report.checkpoint_dtype, names)
-    quality = kv_quality = None
-    if reference is not None:
-        cast_parameters_(reference, report.compute_dtype)
-        quality = ptq.evaluate(model, windows, reference=reference)
-    del reference
+    kv_quality = None
     if kv_windows is not None:
         kv_quality = _evaluate_kv(model, kv_windows)
     card = CardFacts(name=slot.target.name, before=before, after=after, quality=quality, eval_text=args.eval_text,
@@ -286,6 +298,69 @@ def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
         write_in_format(model, slot.new_staging(), args.format, tokenizer=tokenizer, card=card)
     slot.publish()
     return names, before, after, quality, report, kv_quality
+
+
+def _check_stream(args, source: Path | None, recipe) -> None:
+    """--stream's conditions, before any work."""
+    from ptq.safetensors_check import weight_files
+
+    if source is None or not weight_files(source):
+        raise PtqError("--stream reads a local model folder of safetensors; give --model DIR (or drop --stream)")
+    if not args.no_eval:
+        raise PtqError("--stream does not evaluate yet (the comparison needs the model in memory); add --no-eval")
+    if args.resume:
+        raise PtqError("--stream cannot --resume yet; run it again from the start, or drop --stream")
+    if args.format != "compressed-tensors":
+        raise PtqError(f"--stream writes compressed-tensors checkpoints; drop --format {args.format} (or --stream) "
+                       "and convert with `ptq convert`")
+    if recipe.kv_cache is not None:
+        raise PtqError("--stream quantizes weights; a recipe with kv_cache needs the model in memory (drop --stream)")
+
+
+def _quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tuple:
+    """--stream: ptq.streaming.quantize_streamed into the staging folder, then the rest of the checkpoint."""
+    from ptq.checkpoint.writer import write_checkpoint
+    from ptq.export.card import CardFacts
+    from ptq.models import check_model_folder, load_tokenizer
+    from ptq.pipeline import select_linears
+    from ptq.report import size_of
+    from ptq.streaming import meta_model, quantize_streamed
+
+    check_model_folder(source, args.model or "builtin", trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(source, trust_remote_code=args.trust_remote_code)
+    model = meta_model(source)
+    names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    before = size_of(model, dtype, names)
+    staging = slot.new_staging()
+    model, shards = quantize_streamed(source, recipe, staging, tokenizer=tokenizer, device=device, model=model)
+    report = model.ptq_report
+    after = size_of(model, report.checkpoint_dtype, names)
+    card = CardFacts(name=slot.target.name, before=before, after=after, quality=None, eval_text=args.eval_text,
+                     kv_budget_gb=args.kv_budget_gb)
+    write_checkpoint(model, staging, tokenizer=tokenizer, card=card, shards=shards)
+    slot.publish()
+    return names, before, after, None, report, None
+
+
+def _reference_logits(model, windows, folder: Path, compute_dtype: torch.dtype):
+    """The unquantized model's logits on the evaluation windows, computed in the dtype
+    ptq.quantize will compute in and kept on disk (ptq.evaluate.ReferenceLogits), so that the
+    quantized model is compared with them without a copy of the model in memory. The
+    parameters get their own dtypes back (a float32 compute holds bf16 values exactly)."""
+    from ptq.evaluate import reference_logits
+    from ptq.pipeline import cast_parameters_
+
+    shutil.rmtree(folder, ignore_errors=True)  # left by a run killed before it could remove them
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    cast_parameters_(model, compute_dtype)
+    try:
+        # no progress bar: a mistake ptq.quantize finds next must stay the only line on stderr
+        return reference_logits(model, windows, folder, show_progress=False)
+    finally:
+        for name, param in model.named_parameters():
+            if param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
 
 
 def _kv_windows(args, model, tokenizer, texts):

@@ -5,15 +5,22 @@ bundled evaluation part by default), every token of a window predicted from the 
 before it in that window. Against a reference model on the same windows: the mean KL
 divergence KL(reference ‖ model) of the next-token distributions (nats per token) and the
 top-1 agreement (share of positions where both models' most likely next token agree).
+
+The reference can also be its logits, computed earlier and kept on disk batch by batch
+(reference_logits): the same numbers, without holding the reference model beside the
+model, e.g. the unquantized model evaluated before ptq.quantize changes it in place.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -72,7 +79,9 @@ def check_windows(model: nn.Module, windows: Tensor, reference: nn.Module | None
         )
 
 
-def _vocab_size(model: nn.Module) -> int | None:
+def _vocab_size(model) -> int | None:
+    if isinstance(model, ReferenceLogits):
+        return model.vocab_size
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(size, int):
         return size
@@ -81,9 +90,10 @@ def _vocab_size(model: nn.Module) -> int | None:
 
 
 def _logits(model: nn.Module, batch: Tensor, first_window: int, whose: str = "the model's") -> Tensor:
-    """Logits [b, seq, vocab] in float32 on the CPU; refused if any is NaN or Inf."""
+    """Logits [b, seq, vocab] on the CPU in the dtype the model computed them in (float32
+    holds each exactly); refused if any is NaN or Inf."""
     device = next(model.parameters()).device
-    logits = model(input_ids=batch.to(device), use_cache=False).logits.float().cpu()
+    logits = model(input_ids=batch.to(device), use_cache=False).logits.cpu()
     broken = ~torch.isfinite(logits).flatten(1).all(dim=1)  # [b]
     if broken.any():
         window = first_window + int(broken.nonzero()[0]) + 1
@@ -91,28 +101,76 @@ def _logits(model: nn.Module, batch: Tensor, first_window: int, whose: str = "th
     return logits
 
 
+class ReferenceLogits:
+    """A reference model's logits on evaluation windows, one safetensors file per batch in
+    `folder`, in the dtype the model computed them in: ptq.evaluate reads them back batch by
+    batch and gets exactly the numbers it gets from the model itself. remove() deletes them."""
+
+    def __init__(self, folder: Path, windows: Tensor, batch_size: int, vocab_size: int | None):
+        self.folder, self.windows, self.batch_size, self.vocab_size = folder, windows, batch_size, vocab_size
+
+    def batch(self, i: int) -> Tensor:
+        return load_file(self.folder / f"{i:06d}.safetensors")["logits"]  # [b, seq, vocab]
+
+    def check(self, windows: Tensor, batch_size: int) -> None:
+        if batch_size != self.batch_size or not torch.equal(windows, self.windows):
+            raise PtqError(f"the reference logits in '{self.folder}' were computed on other windows or batches; "
+                           "evaluate the same windows with the same batch_size")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@torch.no_grad()
+def reference_logits(
+    reference: nn.Module, windows: Tensor, folder: str | Path, *, batch_size: int = 4, show_progress: bool = True
+) -> ReferenceLogits:
+    """Compute the reference's logits on windows [n, seq_len] into a new folder (one batch in
+    memory at a time), for ptq.evaluate(model, windows, reference=...) later. A failure
+    leaves no folder behind."""
+    if batch_size < 1:
+        raise PtqError(f"evaluation batch_size is {batch_size}; it must be at least 1")
+    check_windows(reference, windows)
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    try:
+        batches = tqdm(windows.split(batch_size), desc="evaluate reference", unit="batch", disable=not show_progress)
+        for i, batch in enumerate(batches):
+            logits = _logits(reference, batch, i * batch_size, "the reference model's")
+            save_file({"logits": logits.contiguous()}, folder / f"{i:06d}.safetensors")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return ReferenceLogits(folder, windows.clone(), batch_size, _vocab_size(reference))
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
     windows: Tensor,
     *,
-    reference: nn.Module | None = None,
+    reference: nn.Module | ReferenceLogits | None = None,
     batch_size: int = 4,
     show_progress: bool = True,
 ) -> EvalResult:
-    """Perplexity of model on token windows [n, seq_len]; KL and top-1 against reference."""
+    """Perplexity of model on token windows [n, seq_len]; KL and top-1 against reference
+    (a model, or its logits on the same windows and batches from reference_logits)."""
     if batch_size < 1:
         raise PtqError(f"evaluation batch_size is {batch_size}; it must be at least 1")
     check_windows(model, windows, reference)
+    if isinstance(reference, ReferenceLogits):
+        reference.check(windows, batch_size)
     nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     batches = tqdm(windows.split(batch_size), desc="evaluate", unit="batch", disable=not show_progress)
     for i, batch in enumerate(batches):
-        logp = F.log_softmax(_logits(model, batch, i * batch_size)[:, :-1], dim=-1)  # [b, seq-1, vocab]
+        logp = F.log_softmax(_logits(model, batch, i * batch_size).float()[:, :-1], dim=-1)  # [b, seq-1, vocab]
         targets = batch[:, 1:]
         nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         count += targets.numel()
         if reference is not None:
-            ref = F.log_softmax(_logits(reference, batch, i * batch_size, "the reference model's")[:, :-1], dim=-1)
+            ref_logits = reference.batch(i) if isinstance(reference, ReferenceLogits) \
+                else _logits(reference, batch, i * batch_size, "the reference model's")
+            ref = F.log_softmax(ref_logits.float()[:, :-1], dim=-1)  # [b, seq-1, vocab]
             ref_nll -= ref.gather(-1, targets.unsqueeze(-1)).sum().item()
             kl += (ref.exp() * (ref - logp)).sum().item()
             agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()

@@ -24,10 +24,23 @@ def packed_width(n: int, bits: int) -> int:
     return math.ceil(n * bits / 32)
 
 
+PACK_ELEMENTS = 1 << 20  # values packed per pass: the int64 temporaries stay near 10 MB each
+
+
 def pack_int32(values: Tensor, bits: int) -> Tensor:
-    """Pack signed integers [rows, n] along the last dim: int32 [rows, ceil(n*bits/32)]."""
+    """Pack signed integers [rows, n] along the last dim: int32 [rows, ceil(n*bits/32)].
+    Rows are packed independently, a few at a time (PACK_ELEMENTS), so that a large weight's
+    temporaries stay small."""
     if not 1 <= bits <= 8:
         raise ValueError(f"num_bits must be in 1..8 to pack, got {bits}")
+    rows, n = values.shape
+    per_pass = max(1, PACK_ELEMENTS // max(n, 1))
+    if rows > per_pass:
+        return torch.cat([_pack_rows(part, bits) for part in values.split(per_pass)])
+    return _pack_rows(values, bits)
+
+
+def _pack_rows(values: Tensor, bits: int) -> Tensor:
     rows, n = values.shape
     chunks = math.ceil(n / 32)
     unsigned = values.to(torch.int64) + (1 << (bits - 1))  # [rows, n] in 0..2^bits-1

@@ -23,7 +23,7 @@ from ptq.arch import check_linear_layers, check_mappings, find_blocks, mappings_
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.resume import BlockStore, fingerprint
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
-from ptq.calibration.runner import BlockRun, Inputs, run_blocks
+from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage, name_pattern
 from ptq.devices import compute_dtype_for, cpu_settings
@@ -113,6 +113,7 @@ def quantize(
     dtype: torch.dtype | None = None,
     show_progress: bool = True,
     store: BlockStore | None = None,
+    weights: BlockWeights | None = None,
 ) -> nn.Module:
     """Quantize `model` in place with `recipe` (a Recipe, a YAML path or a preset name).
 
@@ -124,12 +125,16 @@ def quantize(
     interrupted run with the same recipe, data and dtypes finished (ptq.calibration.resume).
     MoE experts fused by transformers are first split into one Linear per expert and
     projection (ptq.moe; the model computes the same), also when a later check fails.
+    weights: the model is on the meta device and its weights are streamed from disk, one
+    block at a time, and written out as each is finished (ptq.streaming.quantize_streamed,
+    which builds this argument; it checks each weight for NaN and Inf as it loads it).
     """
     recipe = load_recipe(recipe)
     step, kv = recipe.weight_step, recipe.kv_cache
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_finite(model)
+    if weights is None:
+        check_finite(model)
     if kv is not None:
         check_kv_model(model, kv)
     linears, planned = {}, None
@@ -163,7 +168,9 @@ def quantize(
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if step is not None and weights_use_calibration(recipe):
-        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress, store)
+        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress, store, weights)
+    elif step is not None and weights is not None:
+        _quantize_rtn_streamed(model, linears, step, report, weights, find_blocks(model)[0])
     elif step is not None:
         _quantize_rtn(model, linears, step, report)
     if kv is not None:
@@ -254,6 +261,21 @@ def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightS
         qw = rtn(linear.weight.detach(), step.scheme.weights, report.checkpoint_dtype, step.observer)
         _replace(model, name, linear, qw, step)
         report.layers[name] = how
+
+
+def _quantize_rtn_streamed(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report,
+                           weights: BlockWeights, blocks_path: str, how: str = "rtn") -> None:
+    """_quantize_rtn on a streamed model: the Linears of one block (or one Linear outside
+    the blocks) at a time, loaded before and written out and freed after."""
+    units: dict[str, dict[str, nn.Linear]] = {}
+    for name, linear in linears.items():
+        inside = name.startswith(blocks_path + ".")
+        unit = ".".join(name.split(".")[: blocks_path.count(".") + 2]) if inside else name
+        units.setdefault(unit, {})[name] = linear
+    for unit, members in units.items():
+        weights.load(unit)
+        _quantize_rtn(model, members, step, report, how)
+        weights.done(unit)
 
 
 def _calibrate_groups(run: BlockRun, order: Stages, mine: dict, make_observer, quantize_stage,
@@ -347,13 +369,17 @@ def _check_experts_scheme(model: nn.Module, linears: dict[str, nn.Linear], step:
 
 
 def _quantize_with_calibration(
-    model, linears, recipe: Recipe, batches, device, report, show_progress, store: BlockStore | None = None
+    model, linears, recipe: Recipe, batches, device, report, show_progress, store: BlockStore | None = None,
+    weights: BlockWeights | None = None,
 ) -> None:
     step, cal = recipe.weight_step, recipe.calibration
     blocks_path, _ = find_blocks(model)
     inside = {n: m for n, m in linears.items() if n.startswith(blocks_path + ".")}
     outside = {n: m for n, m in linears.items() if n not in inside}
-    if outside:  # no calibration inputs are captured outside the blocks (e.g. lm_head)
+    if outside and weights is not None:
+        _quantize_rtn_streamed(model, outside, step, report, weights, blocks_path)
+        report.notes.append(f"RTN for Linears outside the decoder blocks: {', '.join(outside)}")
+    elif outside:  # no calibration inputs are captured outside the blocks (e.g. lm_head)
         _quantize_rtn(model, outside, step, report)
         report.notes.append(f"RTN for Linears outside the decoder blocks: {', '.join(outside)}")
     resumed = _resume(model, blocks_path, batches, step, report, store) if store else {}
@@ -424,7 +450,7 @@ def _quantize_with_calibration(
         store.save_block(index, block, record, hidden)
 
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
-               show_progress=show_progress, block_done=block_done if store else None, **resumed)
+               show_progress=show_progress, block_done=block_done if store else None, weights=weights, **resumed)
 
 
 def _resume(model, blocks_path: str, batches, step: WeightStep, report, store: BlockStore) -> dict:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ptq.errors import PtqError
-from ptq.evaluate import eval_windows, evaluate
+from ptq.evaluate import eval_windows, evaluate, reference_logits
 from tests.conftest import tiny_model
 
 
@@ -38,3 +38,22 @@ def test_against_itself_and_another(tokenizer):
     assert same.reference_perplexity == pytest.approx(same.perplexity)
     different = evaluate(model, windows, reference=other, show_progress=False)
     assert different.kl > 1e-3 and different.top1 < 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_logits_on_disk_give_the_same_numbers(tokenizer, tmp_path, dtype):
+    """The reference's logits kept on disk (the CLI's way, one model in memory) against the
+    reference model itself: bit-exact EvalResult; other windows or batches are refused."""
+    model = tiny_model("llama", seed=0, dtype=dtype)
+    other = tiny_model("llama", seed=1, dtype=dtype)
+    windows = eval_windows(tokenizer, seq_len=64, max_windows=5)
+    stored = reference_logits(other, windows, tmp_path / "logits", batch_size=2, show_progress=False)
+    assert len(list((tmp_path / "logits").iterdir())) == 3  # one file per batch
+    from_disk = evaluate(model, windows, reference=stored, batch_size=2, show_progress=False)
+    assert from_disk == evaluate(model, windows, reference=other, batch_size=2, show_progress=False)
+    with pytest.raises(PtqError, match="other windows or batches"):
+        evaluate(model, windows, reference=stored, batch_size=4, show_progress=False)
+    with pytest.raises(PtqError, match="other windows or batches"):
+        evaluate(model, windows[:4], reference=stored, batch_size=2, show_progress=False)
+    stored.remove()
+    assert not (tmp_path / "logits").exists()

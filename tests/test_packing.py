@@ -21,6 +21,19 @@ def test_round_trip_every_width(bits, n):
     assert torch.equal(unpack_int32(packed, bits, n), values)
 
 
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_large_weight_packed_in_passes_as_in_one(bits, monkeypatch):
+    # rows are packed a few at a time (PACK_ELEMENTS): the result is the one-pass packing
+    import ptq.packing
+
+    g = torch.Generator().manual_seed(bits)
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (37, 96), generator=g).to(torch.int8)
+    whole = pack_int32(values, bits)
+    monkeypatch.setattr(ptq.packing, "PACK_ELEMENTS", 96 * 5)  # 5 rows a pass, the last pass 2 rows
+    assert torch.equal(pack_int32(values, bits), whole)
+    assert torch.equal(unpack_int32(whole, bits, 96), values)
+
+
 def test_known_int4_layout():
     # element j of a row sits in word j // 8 at bit 4 * (j % 8), offset by +8
     values = torch.tensor([[-8, -7, 0, 7, 1, 2, 3, 4, 5]], dtype=torch.int8)

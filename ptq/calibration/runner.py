@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,23 @@ from ptq.calibration.observers import Observer
 from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
+
+
+class BlockWeights(Protocol):
+    """Where the blocks' weights come from and go to when the model is streamed from disk
+    (ptq.streaming.StreamedWeights); an in-memory model has its weights already present."""
+
+    def capturing(self) -> None:
+        """Bring into memory what capturing the blocks' inputs runs (the embeddings)."""
+
+    def captured(self) -> None:
+        """The blocks' inputs are captured: what only that needed can go."""
+
+    def load(self, name: str) -> None:
+        """Bring the weights of module `name` (a block) into memory."""
+
+    def done(self, name: str) -> None:
+        """Module `name` is finished: store it and free its weights."""
 
 
 class _StopForward(Exception):
@@ -87,14 +105,15 @@ def capture_block_inputs(
 
 
 def _move_all_but_blocks(model: nn.Module, blocks: nn.ModuleList, device: torch.device) -> None:
-    """Move every parameter and buffer outside the block stack to device."""
+    """Move every parameter and buffer outside the block stack to device; those on the
+    meta device (a streamed model's, not loaded) stay there."""
     block_tensors = {id(t) for t in list(blocks.parameters()) + list(blocks.buffers())}
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if id(param) not in block_tensors and param.device != device:
+            if id(param) not in block_tensors and param.device != device and not param.is_meta:
                 param.data = param.data.to(device)
         for name, buf in list(module.named_buffers(recurse=False)):
-            if id(buf) not in block_tensors and buf.device != device:
+            if id(buf) not in block_tensors and buf.device != device and not buf.is_meta:
                 module._buffers[name] = buf.to(device)
 
 
@@ -212,6 +231,7 @@ def run_blocks(
     start: int = 0,
     start_hidden: list[Tensor] | None = None,
     block_done: Callable[[int, nn.Module, list[Tensor]], None] | None = None,
+    weights: BlockWeights | None = None,
 ) -> None:
     """Call process(run) for each block in order, feeding it the calibration inputs.
 
@@ -225,10 +245,19 @@ def run_blocks(
     `start` its hidden states, one per batch (the other arguments are the same for every
     block and captured anew). block_done(index, block, next hidden states) is called after
     each block, for a store to keep them.
+
+    weights: a model streamed from disk (on the meta device but for what the capture needs):
+    each block is loaded before it is processed and handed back after block_done.
     """
     blocks = model.get_submodule(blocks_path)
     home = next(blocks.parameters()).device  # where the model lives between uses
+    if home.type == "meta":  # streamed: what stays loaded (rotary tables) goes back to the CPU
+        home = torch.device("cpu")
+    if weights is not None:
+        weights.capturing()
     inputs, block_kwargs = capture_block_inputs(model, blocks, batches, device, batch_size)
+    if weights is not None:
+        weights.captured()
     if start_hidden is not None:
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(device)) for (args, kwargs), h in zip(inputs, start_hidden)]
@@ -237,6 +266,8 @@ def run_blocks(
             block = blocks[index]
             inputs = [_with_hidden(args, kwargs[index], _hidden_of(args, kw))
                       for (args, kw), kwargs in zip(inputs, block_kwargs)]  # this block's own kwargs
+            if weights is not None:
+                weights.load(f"{blocks_path}.{index}")
             with _onloaded(block, device):
                 run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
                 original_outputs = run.outputs() if propagate == "original" else None
@@ -247,6 +278,8 @@ def run_blocks(
                     inputs = outputs if outputs is not None else run.outputs()
             if block_done is not None:
                 block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
+            if weights is not None:
+                weights.done(f"{blocks_path}.{index}")
             bar.update()
     _move_all_but_blocks(model, blocks, home)  # embeddings, final norm, head: back home
 

@@ -11,10 +11,15 @@ validated, the safetensors headers and index are checked before the files are re
 every stored tensor must have the name, shape and dtype the config implies, hold no NaN
 or Inf, and have in-range group indices. Any inconsistency raises PtqError naming the
 checkpoint and the tensor or field.
+
+The files are read lazily (safe_open): names, shapes and dtypes come from the headers,
+and each tensor is read, checked and converted as it is assigned, so that loading holds
+about one model's worth of tensors, not the files' contents beside the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,8 +29,7 @@ from compressed_tensors.quantization import QuantizationArgs as CTArgs
 from compressed_tensors.quantization import QuantizationScheme as CTScheme
 from compressed_tensors.quantization import is_preset_scheme, preset_name_to_scheme
 from pydantic import ValidationError
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,7 +93,7 @@ def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend
     groups = group_schemes(qconfig) if qconfig is not None else []
     ignore = _patterns((qconfig or {}).get("ignore") or [], "quantization_config ignore")
     dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
-    tensors = read_tensors(folder) if tensors is None else tensors
+    tensors = StoredTensors(_files(folder)) if tensors is None else tensors
     # built in the stored dtype, as the model ptq quantized was: buffers computed at build time
     # (Gemma's embed_scale) get the same bits; parameters are assigned in `dtype` below
     model = _skeleton(folder, _stored_dtype(raw))
@@ -98,7 +102,7 @@ def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend
     _replace_linears(model, groups, ignore, tensors, backend)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     state = _checked_state(model, tensors, tied, dtype)
-    _check_values(model, tensors)
+    _check_values(model, state)
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
@@ -115,7 +119,8 @@ def _moe_layout(
     and each fused experts module split into one Linear per expert and projection
     (ptq.moe), as checkpoints store them, unless the checkpoint holds them fused."""
     rename = moe.renamer(model, to_checkpoint=False)
-    tensors = {rename(name): tensor for name, tensor in tensors.items()}
+    tensors = tensors.renamed(rename) if isinstance(tensors, StoredTensors) else \
+        {rename(name): tensor for name, tensor in tensors.items()}
     groups = [group._replace(targets=[rename(t) for t in group.targets]) for group in groups]
     ignore = [rename(pattern) for pattern in ignore]
     fused = {name for name, _, _ in moe.experts_modules(model) if f"{name}.gate_up_proj" in tensors}
@@ -250,16 +255,96 @@ def _patterns(patterns: object, where: str) -> list[str]:
 
 def read_tensors(folder: Path) -> dict[str, Tensor]:
     """Every stored tensor, after checking the safetensors headers (and the index)."""
-    files = weight_files(folder)
+    stored = StoredTensors(_files(folder))
+    return {name: stored[name] for name in stored}
+
+
+def _files(folder: Path) -> list[Path]:
+    files = weight_files(folder)  # headers (and the index) checked
     if not files:
         raise PtqError("has no model.safetensors (or model.safetensors.index.json)")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
+    return files
+
+
+# safetensors' dtype names (the header's "dtype") as torch dtypes
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+          "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class StoredTensors(Mapping):
+    """The tensors of safetensors files (name -> Tensor), each read from its file (safe_open,
+    memory-mapped) when it is asked for; shape() and dtype() read only the header, and
+    converted() reads a copy (pread) to convert, so that the stored bytes are not kept. A
+    name in two files is the later file's, as when the files are read one after the other."""
+
+    def __init__(self, files: list[Path], where: dict | None = None, copies: dict | None = None):
+        self._where = where if where is not None else {}  # name -> (handle, stored name, file)
+        self._copies = copies if copies is not None else {}  # file -> its pread handle, opened when needed
+        for file in files:
+            try:
+                handle = safe_open(file, framework="pt")
+                self._where.update({name: (handle, name, file) for name in handle.keys()})
+            except SafetensorError as error:
+                raise PtqError(f"{file.name} is not a valid safetensors file ({shorten(error)})") from None
+
+    def __getitem__(self, name: str) -> Tensor:
+        handle, stored, file = self._where[name]
         try:
-            tensors.update(load_file(file))
+            return handle.get_tensor(stored)
         except SafetensorError as error:
             raise PtqError(f"{file.name} is not a valid safetensors file ({shorten(error)})") from None
-    return tensors
+
+    def converted(self, name: str, dtype: torch.dtype, check: Callable[[Tensor], None]) -> Tensor:
+        """The tensor read into memory of its own (not the file's pages: they would stay
+        resident beside the converted copy), checked by `check`, then converted to dtype."""
+        if self.dtype(name) == dtype:
+            tensor = self[name]
+            check(tensor)
+            return tensor
+        _, stored, file = self._where[name]
+        try:
+            if file not in self._copies:
+                self._copies[file] = safe_open(file, framework="pt", backend="pread")
+            tensor = self._copies[file].get_tensor(stored)
+        except SafetensorError as error:
+            raise PtqError(f"{file.name} is not a valid safetensors file ({shorten(error)})") from None
+        check(tensor)
+        return tensor.to(dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def pop(self, name: str, default=None):
+        if name not in self._where:
+            return default
+        tensor = self[name]
+        del self._where[name]
+        return tensor
+
+    def renamed(self, rename: Callable[[str], str]) -> StoredTensors:
+        return StoredTensors([], {rename(name): where for name, where in self._where.items()}, self._copies)
+
+    def shape(self, name: str) -> torch.Size:
+        handle, stored, _ = self._where[name]
+        return torch.Size(handle.get_slice(stored).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        handle, stored, _ = self._where[name]
+        return DTYPES.get(handle.get_slice(stored).get_dtype()) or self[name].dtype
+
+
+def _shape_dtype(tensors: Mapping, name: str) -> tuple[torch.Size, torch.dtype]:
+    """A tensor's shape and dtype, from the header when it is not read yet."""
+    if isinstance(tensors, StoredTensors):
+        return tensors.shape(name), tensors.dtype(name)
+    return tensors[name].shape, tensors[name].dtype
 
 
 def _skeleton(folder: Path, dtype: torch.dtype) -> nn.Module:
@@ -300,10 +385,11 @@ def _empty_quant_linear(linear: nn.Linear, group: Group, name: str, tensors: dic
         raise PtqError(f"config group '{shorten(group.name)}' does not fit '{name}': {error}") from None
 
 
-def _checked_state(model: nn.Module, tensors: dict[str, Tensor], tied: set[str], dtype: torch.dtype) -> dict:
+def _checked_state(model: nn.Module, tensors: Mapping, tied: set[str], dtype: torch.dtype) -> dict:
     """The state dict to assign: the stored tensors, each checked against the name, shape
-    and dtype the model expects. QuantLinear buffers keep their stored dtypes (bit-exact);
-    other float tensors are converted to the compute dtype."""
+    and dtype the model expects (from the headers, before any is read), then read one at a
+    time and checked for NaN and Inf. QuantLinear buffers keep their stored dtypes
+    (bit-exact); other float tensors are converted to the compute dtype."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors) - tied)
     unexpected = sorted(set(tensors) - set(expected))
@@ -313,21 +399,32 @@ def _checked_state(model: nn.Module, tensors: dict[str, Tensor], tied: set[str],
         raise PtqError(f"the stored tensors do not match config.json: {'; '.join(parts)}")
     buffers = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear) for b, _ in m.named_buffers()}
     keep = float32_names(model)  # DeepSeek's routers: float32 whatever the compute dtype
-    state = {}
+    casts = {}
     for key, want in expected.items():  # in model order: the first layer's problem is reported
         if key not in tensors:
             continue  # a tied weight
-        tensor = tensors[key]
-        if tensor.shape != want.shape:
+        shape, stored = _shape_dtype(tensors, key)
+        if shape != want.shape:
             raise PtqError(
-                f"tensor '{key}' has shape {list(tensor.shape)}, but config.json implies {list(want.shape)}; "
+                f"tensor '{key}' has shape {list(shape)}, but config.json implies {list(want.shape)}; "
                 "the weights or the quantization_config were changed"
             )
-        cast = key not in buffers and tensor.is_floating_point() and want.is_floating_point()
-        if not cast and tensor.dtype != want.dtype:
-            raise PtqError(f"tensor '{key}' is {tensor.dtype}, but config.json implies {want.dtype}")
-        state[key] = tensor.to(torch.float32 if key in keep and tensor.dtype == torch.float32 else dtype) \
-            if cast else tensor
+        cast = key not in buffers and stored.is_floating_point and want.is_floating_point()
+        if not cast and stored != want.dtype:
+            raise PtqError(f"tensor '{key}' is {stored}, but config.json implies {want.dtype}")
+        casts[key] = (torch.float32 if key in keep and stored == torch.float32 else dtype) if cast else None
+    state = {}
+    for key, cast in casts.items():  # read one at a time: the stored tensor is checked, then converted
+        def check(tensor: Tensor, key: str = key) -> None:
+            if not _finite(tensor):
+                raise PtqError(f"tensor '{key}' holds NaN or Inf; the checkpoint is broken, re-create it")
+
+        if cast is not None and isinstance(tensors, StoredTensors):
+            state[key] = tensors.converted(key, cast, check)
+            continue
+        tensor = tensors[key]
+        check(tensor)
+        state[key] = tensor if cast is None else tensor.to(cast)
     return state
 
 
@@ -337,10 +434,8 @@ def _some(names: list[str]) -> str:
 
 
 def _check_values(model: nn.Module, tensors: dict[str, Tensor]) -> None:
-    """No NaN or Inf in any float tensor; QuantLinear shapes and group indices in range."""
-    for key, tensor in tensors.items():
-        if not _finite(tensor):
-            raise PtqError(f"tensor '{key}' holds NaN or Inf; the checkpoint is broken, re-create it")
+    """QuantLinear shapes and group indices in range (tensors: the checked state; NaN and Inf
+    are refused as it is read, by _checked_state)."""
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ptq import moe
 from ptq.checkpoint import kv as kv_format
 from ptq.checkpoint.output import check_output, claim_output, local_folder, write_manifest
+from ptq.checkpoint.shards import ShardWriter
 from ptq.errors import PtqError
 from ptq.export.card import CardFacts, write_model_card
 from ptq.models import float32_names
@@ -110,16 +111,24 @@ def _transformers_load_settings(model: nn.Module, quantized: dict[str, QuantLine
     return {"dequantize": True} if asymmetric or dense_on_load else {}
 
 
-def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor, torch.dtype]]:
+def stored_tensors(model: nn.Module, dtype: torch.dtype, under: str | None = None
+                   ) -> Iterator[tuple[str, Tensor, torch.dtype]]:
     """(name, tensor, dtype it is stored in) for what a checkpoint holds: quantized buffers
     as they are, other float tensors in dtype. Non-persistent buffers (rotary frequencies)
     are left out, and so is a weight tied to another one (lm_head tied to the embeddings).
-    Tensors the model's class keeps in float32 (ptq.models.float32_names) stay float32."""
+    Tensors the model's class keeps in float32 (ptq.models.float32_names) stay float32.
+    under: only the tensors of that module (a streamed model: ptq.streaming). Where tensors
+    are on the meta device (a streamed model), tied aliases are left out by name."""
     seen = set()
     keep = float32_names(model)
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict()
+    streamed = under is not None or any(t.is_meta for t in state.values())  # meta tensors share data_ptr 0
+    if streamed:
+        aliases = _tied_aliases(model)
+        state = {n: t for n, t in state.items() if n not in aliases and (under is None or n.startswith(under + "."))}
+    for name, tensor in state.items():
         key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
-        if key in seen and tensor.numel() > 1:
+        if not streamed and key in seen and tensor.numel() > 1:
             continue
         seen.add(key)
         cast = tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not _is_scale(name)
@@ -128,9 +137,15 @@ def stored_tensors(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, 
         yield name, tensor, dtype if cast else tensor.dtype
 
 
-def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype, under: str | None = None) -> dict[str, Tensor]:
     """The tensors to store, on the CPU in their stored dtypes (see stored_tensors)."""
-    return {name: t.detach().to(stored).contiguous().cpu() for name, t, stored in stored_tensors(model, dtype)}
+    return {name: t.detach().to(stored).contiguous().cpu() for name, t, stored in stored_tensors(model, dtype, under)}
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another name's parameter (tied weights): not stored."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
 
 
 def _is_scale(name: str) -> bool:
@@ -196,9 +211,11 @@ def save(
 
 
 def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                     card: CardFacts | None = None) -> None:
+                     card: CardFacts | None = None, shards: ShardWriter | None = None) -> None:
     """Write the checkpoint's files into the (empty) folder; its manifest last. card: what the
-    run measured (sizes, evaluation) for the model card, README.md (ptq.export.card)."""
+    run measured (sizes, evaluation) for the model card, README.md (ptq.export.card).
+    shards: the weights were written into folder while the model was quantized (a streamed
+    model, ptq.streaming): they are finished, not taken from the model."""
     report = getattr(model, "ptq_report", None)
     dtype = report.checkpoint_dtype if report else model.config.dtype
     config = model.config.to_dict()
@@ -212,12 +229,16 @@ def write_checkpoint(model: nn.Module, folder: Path, *, tokenizer=None, max_shar
     try:
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_generation_config(model, folder)
-        tensors = moe.checkpoint_tensors(model, checkpoint_tensors(model, dtype))
-        if kv is not None and kv_format.in_compressed_tensors(kv.spec):
-            tensors.update(kv_format.scale_tensors(model, kv, dtype))
-        elif kv is not None:
-            kv_format.write_kv_file(folder, kv)
-        write_weights(folder, tensors, max_shard_bytes)
+        if shards is not None:
+            assert kv is None, "a streamed model has no quantized KV cache"
+            shards.finish()
+        else:
+            tensors = moe.checkpoint_tensors(model, checkpoint_tensors(model, dtype))
+            if kv is not None and kv_format.in_compressed_tensors(kv.spec):
+                tensors.update(kv_format.scale_tensors(model, kv, dtype))
+            elif kv is not None:
+                kv_format.write_kv_file(folder, kv)
+            write_weights(folder, tensors, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if report is not None:

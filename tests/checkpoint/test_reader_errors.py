@@ -189,6 +189,8 @@ def test_non_finite_values(ckpt, name, value):
 
     edit_tensors(ckpt, poison)
     refuses(ckpt, f"'{name}' holds NaN or Inf")
+    with pytest.raises(PtqError, match="holds NaN or Inf"):  # also when read to be converted (safe_open, pread)
+        ptq.load(ckpt, dtype=torch.float32)
 
 
 # B6: the safetensors files and the index
