@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -88,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--m", type=_at_least(1), nargs="+", default=None, help="token counts M to benchmark")
     b.add_argument("--engine", default=None, metavar="MODEL", nargs="?", const="builtin",
                    help="instead: time generate() end to end on MODEL (default the bundled one): TTFT, TPOT, tokens/s")
-    _add_plan_parser(commands)
+    from ptq.plan.cli import add_plan_parser
+
+    add_plan_parser(commands)
 
     r = commands.add_parser("recipe", help="work with recipes")
     recipe_commands = r.add_subparsers(dest="recipe_command", required=True, parser_class=_Parser)
@@ -179,6 +180,8 @@ def _source_signature(folder: Path | None) -> dict:
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     from ptq.calibration.data import check_source, load_texts
+    from ptq.cli_quantize import (check_stream, print_summary, push_written, quantize_and_write,
+                                  quantize_streamed_and_write)
     from ptq.calibration.resume import BlockStore
     from ptq.checkpoint.output import check_output, claim_output, local_folder, work_folder
     from ptq.models import resolve_model_path
@@ -204,7 +207,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         check_source(cal.dataset, split=cal.split, text_column=cal.text_column,
                      messages_column=cal.messages_column, config_name=cal.config_name)
     if args.stream:
-        _check_stream(args, source, recipe)
+        check_stream(args, source, recipe)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
     if translation_notes is not None:
         _print_translation(args.recipe, recipe, translation_notes)
@@ -214,9 +217,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
         try:
             if args.stream:
-                results = _quantize_streamed_and_write(args, recipe, source, device, slot)
+                results = quantize_streamed_and_write(args, recipe, source, device, slot)
             else:
-                results = _quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
+                results = quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
         except KeyboardInterrupt:
             if store.finished:
                 slot.keep = True
@@ -228,222 +231,38 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                 raise
             slot.keep = True
             raise PtqError(f"{error} (the finished blocks stay in '{slot.work}' for --resume)") from None
-    _print_summary(output, *results, report_path, args.kv_budget_gb)
+    print_summary(output, *results, report_path, args.kv_budget_gb)
     if args.push_to_hub is not None:
-        _push_written(output, args.push_to_hub)
+        push_written(output, args.push_to_hub)
 
 
-def _push_written(output: Path, repo_id: str) -> None:
-    """Upload the checkpoint just written; a failure says that it stays written and how to push it."""
-    from ptq.export.hub import push_to_hub
-
-    again = f"ptq push {shlex.quote(str(output))} --repo-id {shlex.quote(repo_id)}"
-    try:
-        url = push_to_hub(output, repo_id)
-    except PtqError as error:
-        raise PtqError(f"{error} (the checkpoint is written in '{output}': push it with {again})") from None
-    except KeyboardInterrupt:
-        raise _Interrupted(f"interrupted while pushing; the checkpoint is written in '{output}': push it with "
-                           f"{again}") from None
-    print(f"pushed {output} to {url}")
 
 
-def _quantize_and_write(args, recipe, location, device, eval_texts, store, slot) -> tuple:
-    import ptq
-    from ptq import moe
-    from ptq.checkpoint.writer import write_checkpoint
-    from ptq.evaluate import check_windows
-    from ptq.export.card import CardFacts
-    from ptq.pipeline import check_finite, select_linears
-    from ptq.report import size_of
-
-    model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
-    windows = kv_windows = None
-    if eval_texts is not None:
-        windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
-        check_windows(model, windows)  # before the work, not after it
-        if recipe.kv_cache is not None:
-            kv_windows = _kv_windows(args, model, tokenizer, eval_texts)
-    moe.unfuse_experts_(model)  # one Linear per expert, as ptq.quantize would: the sizes count them
-    names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
-    if args.format != "compressed-tensors":  # before the work: what the format cannot hold
-        from ptq.export.formats import check_model
-
-        check_model(model, args.format, names, recipe.weight_step.scheme)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    before = size_of(model, dtype, names)
-    # a recipe for the KV cache alone leaves the weights as they are: nothing to compare them with
-    reference = None
-    if windows is not None and recipe.weight_step is not None:
-        check_finite(model)  # as ptq.quantize would, before the reference's logits find it
-        reference = _reference_logits(model, windows, slot.work / "reference-logits", compute_dtype_for(device, dtype))
-    try:
-        ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
-        quality = None if reference is None else ptq.evaluate(model, windows, reference=reference)
-    finally:
-        if reference is not None:
-            reference.remove()
-    report = model.ptq_report
-    after = size_of(model, report.checkpoint_dtype, names)
-    kv_quality = None
-    if kv_windows is not None:
-        kv_quality = _evaluate_kv(model, kv_windows)
-    card = CardFacts(name=slot.target.name, before=before, after=after, quality=quality, eval_text=args.eval_text,
-                     kv_quality=kv_quality, kv_budget_gb=args.kv_budget_gb)
-    if args.format == "compressed-tensors":
-        write_checkpoint(model, slot.new_staging(), tokenizer=tokenizer, card=card)
-    else:
-        from ptq.export.checkpoint import write_checkpoint as write_in_format
-
-        write_in_format(model, slot.new_staging(), args.format, tokenizer=tokenizer, card=card)
-    slot.publish()
-    return names, before, after, quality, report, kv_quality
 
 
-def _check_stream(args, source: Path | None, recipe) -> None:
-    """--stream's conditions, before any work."""
-    from ptq.safetensors_check import weight_files
-
-    if source is None or not weight_files(source):
-        raise PtqError("--stream reads a local model folder of safetensors; give --model DIR (or drop --stream)")
-    if not args.no_eval:
-        raise PtqError("--stream does not evaluate yet (the comparison needs the model in memory); add --no-eval")
-    if args.resume:
-        raise PtqError("--stream cannot --resume yet; run it again from the start, or drop --stream")
-    if args.format != "compressed-tensors":
-        raise PtqError(f"--stream writes compressed-tensors checkpoints; drop --format {args.format} (or --stream) "
-                       "and convert with `ptq convert`")
-    if recipe.kv_cache is not None:
-        raise PtqError("--stream quantizes weights; a recipe with kv_cache needs the model in memory (drop --stream)")
 
 
-def _quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tuple:
-    """--stream: ptq.streaming.quantize_streamed into the staging folder, then the rest of the checkpoint."""
-    from ptq.checkpoint.writer import write_checkpoint
-    from ptq.export.card import CardFacts
-    from ptq.models import check_model_folder, load_tokenizer
-    from ptq.pipeline import select_linears
-    from ptq.report import size_of
-    from ptq.streaming import meta_model, quantize_streamed
-
-    check_model_folder(source, args.model or "builtin", trust_remote_code=args.trust_remote_code)
-    tokenizer = load_tokenizer(source, trust_remote_code=args.trust_remote_code)
-    model = meta_model(source)
-    names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    before = size_of(model, dtype, names)
-    staging = slot.new_staging()
-    model, shards = quantize_streamed(source, recipe, staging, tokenizer=tokenizer, device=device, model=model)
-    report = model.ptq_report
-    after = size_of(model, report.checkpoint_dtype, names)
-    card = CardFacts(name=slot.target.name, before=before, after=after, quality=None, eval_text=args.eval_text,
-                     kv_budget_gb=args.kv_budget_gb)
-    write_checkpoint(model, staging, tokenizer=tokenizer, card=card, shards=shards)
-    slot.publish()
-    return names, before, after, None, report, None
 
 
-def _reference_logits(model, windows, folder: Path, compute_dtype: torch.dtype):
-    """The unquantized model's logits on the evaluation windows, computed in the dtype
-    ptq.quantize will compute in and kept on disk (ptq.evaluate.ReferenceLogits), so that the
-    quantized model is compared with them without a copy of the model in memory. The
-    parameters get their own dtypes back (a float32 compute holds bf16 values exactly)."""
-    from ptq.evaluate import reference_logits
-    from ptq.pipeline import cast_parameters_
-
-    shutil.rmtree(folder, ignore_errors=True)  # left by a run killed before it could remove them
-    dtypes = {name: param.dtype for name, param in model.named_parameters()}
-    cast_parameters_(model, compute_dtype)
-    try:
-        # no progress bar: a mistake ptq.quantize finds next must stay the only line on stderr
-        return reference_logits(model, windows, folder, show_progress=False)
-    finally:
-        for name, param in model.named_parameters():
-            if param.dtype != dtypes[name]:
-                param.data = param.data.to(dtypes[name])
 
 
-def _kv_windows(args, model, tokenizer, texts):
-    """Long windows for the KV cache rows (the cache's errors grow with the context)."""
-    import ptq
-    from ptq.evaluate import check_windows
-
-    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2048
-    seq_len = args.kv_eval_seq_len or min(2048, context)
-    windows = ptq.eval_windows(tokenizer, texts, seq_len=seq_len, max_windows=args.kv_eval_windows)
-    check_windows(model, windows)
-    return windows
 
 
-def _evaluate_kv(model, windows):
-    """The KV rows: the model with its quantized cache against the same model with a 16-bit one."""
-    from ptq.kv import kv_cache
-    from ptq.kv.evaluate import evaluate_kv
-
-    spec = model.ptq_kv.spec
-    chunk = 256 if spec.static else spec.group_size  # static: exact for any chunk; kivi: see ptq.kv.evaluate
-    return evaluate_kv(model, windows, lambda: kv_cache(model), chunk=chunk)
 
 
-def _print_summary(output, names, before, after, quality, report, kv_quality, report_path, budget_gb=1.0) -> None:
-    from ptq.report import peak_memory_bytes, summary_table
-
-    print()
-    share = report.coverage.share if report.coverage else None
-    print(summary_table(before, after, quality, report.seconds, peak_memory_bytes(), share))
-    if kv_quality is not None:
-        print()
-        print(_kv_table(kv_quality, budget_gb))
-    for note in report.notes:
-        print(f"note: {note}")
-    print(f"\nwrote {output} ({len(names)} Linears quantized; quantize {report.seconds:.1f} s)")
-    if report_path is not None:
-        _write_json(report_path, before, after, quality, report, peak_memory_bytes(), kv_quality, budget_gb)
 
 
-def _kv_table(result, budget_gb: float) -> str:
-    from ptq.report import format_rows
-
-    title = (f"KV cache {result.scheme}: {result.windows} windows of {result.seq_len} tokens through the cache in "
-             f"chunks of {result.chunk}, against the same model with a 16-bit cache")
-    rows = [("", "16-bit cache", "quantized cache"), *result.rows(int(budget_gb * (1 << 30)))]
-    return title + "\n" + format_rows(rows)
 
 
 class _Interrupted(Exception):
     """Ctrl-C during work: the message says what was kept."""
 
 
-def _write_json(path: Path, before, after, quality, report, peak, kv_quality=None, budget_gb=1.0) -> None:
-    import dataclasses
-    import json
-
-    data = {
-        "size_bytes": {"before": before.total_bytes, "after": after.total_bytes},
-        "bits_per_weight": {"before": before.bits_per_weight, "after": after.bits_per_weight},
-        "quality": dataclasses.asdict(quality) if quality else None,
-        "seconds": report.seconds,
-        "timings": report.timings,
-        "peak_memory_bytes": peak,
-        "settings": report.settings(),
-        "share_quantized": report.coverage.share if report.coverage else None,
-        "kv_cache": None if kv_quality is None else {
-            **dataclasses.asdict(kv_quality), "memory_ratio": kv_quality.memory_ratio,
-            "tokens_in_budget": dict(zip(("dense", "quantized"), kv_quality.tokens_in(int(budget_gb * (1 << 30))))),
-        },
-        "notes": report.notes,
-    }
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        temporary.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise PtqError(f"cannot write --report-json '{path}': {error.strerror or error}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import ptq
+    from ptq.cli_quantize import evaluate_kv_rows, kv_eval_windows, kv_table
     from ptq.calibration.data import load_texts
     from ptq.evaluate import check_windows
     from ptq.models import is_quantized_checkpoint, load_tokenizer, resolve_model_path
@@ -475,7 +294,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         return
     windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
     check_windows(model, windows, reference)
-    kv_windows = _kv_windows(args, model, tokenizer, texts) if getattr(model, "ptq_kv", None) else None
+    kv_windows = kv_eval_windows(args, model, tokenizer, texts) if getattr(model, "ptq_kv", None) else None
     result = ptq.evaluate(model, windows, reference=reference)
     print(f"perplexity: {result.perplexity:.3f} ({result.tokens:,} tokens, windows of {result.seq_len})")
     if reference is not None:
@@ -483,7 +302,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"KL to reference: {result.kl:.5f} nats/token; top-1 agreement: {100 * result.top1:.2f}%")
     if kv_windows is not None:
         print()
-        print(_kv_table(_evaluate_kv(model, kv_windows), args.kv_budget_gb))
+        print(kv_table(evaluate_kv_rows(model, kv_windows), args.kv_budget_gb))
 
 
 def _print_translation(path: str, recipe, notes: list[str]) -> None:
@@ -592,110 +411,20 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {written} ({args.format})")
 
 
-def _add_plan_parser(commands) -> None:
-    p = commands.add_parser("plan", help="will it fit, what binds, which scheme: bounds per scheme on a GPU")
-    p.add_argument("model", nargs="?", help="a model folder (config.json is enough), a ptq checkpoint, a Hub name "
-                   "or 'builtin'")
-    p.add_argument("--gpu", default=None, help="an accelerator of the bundled table (default H100-SXM; see --list-gpus)")
-    p.add_argument("--list-gpus", action="store_true", help="print the bundled accelerator table and its sources")
-    p.add_argument("--memory-gb", type=float, default=None, help="another GPU: its memory (GB)")
-    p.add_argument("--bandwidth-gbs", type=float, default=None, help="another GPU: its memory bandwidth (GB/s)")
-    p.add_argument("--tflops", type=float, default=None, help="another GPU: its dense bf16 rate (TFLOP/s)")
-    p.add_argument("--fp8", action="store_true", help="another GPU: it has fp8 tensor cores (at 2x --tflops)")
-    p.add_argument("--gpus", type=_at_least(1), default=1, help="GPUs in tensor parallel (default 1)")
-    p.add_argument("--context", type=_at_least(1), default=None, help="tokens per request, prompt + output (default 8192)")
-    p.add_argument("--prompt-tokens", type=_at_least(1), default=None, help="prompt length (default context - output)")
-    p.add_argument("--output-tokens", type=_at_least(1), default=None, help="tokens generated (default 512)")
-    p.add_argument("--concurrency", type=_at_least(1), default=None, help="requests served at once (a constraint)")
-    p.add_argument("--target-tpot-ms", type=float, default=None, help="time per output token wanted (a constraint)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                   help="share of each GPU's memory the engine takes (vLLM's default 0.90)")
-    p.add_argument("--workspace-gb", type=float, default=1.0, help="per GPU, for activations and CUDA graphs (default 1)")
-    p.add_argument("--candidate", action="append", default=[], metavar="PRESET_OR_RECIPE",
-                   help="also plan this scheme: a preset (W8A16, FP8, ...) or a recipe file; repeatable")
-    p.add_argument("--explain", action="store_true", help="show the arithmetic behind every number")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw a roofline and a memory bar (needs ptq[plot])")
-    p.add_argument("--measure", action="store_true", help="also run generate() on MODEL here and set the timings "
-                   "beside the bounds (the bundled model on a CPU)")
-    p.add_argument("--checkpoint", default=None, help="with --measure: a quantized checkpoint of MODEL to time too")
-    p.add_argument("--device", default=None, help="with --measure: the device (default cuda if available, else cpu)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow a config with auto_map (its code is not run)")
+
+
+
+
+
+
+
+
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    import json
+    from ptq.plan.cli import cmd_plan as plan
 
-    from ptq import plan
-    from ptq.plan import render
-    from ptq.recipe import read_recipe
-
-    if args.list_gpus:
-        print("\n".join(f"{a.name:<10} {a.memory_gb:>5g} GB {a.bandwidth_gbs:>6,.0f} GB/s  bf16 {a.bf16_tflops:>6g}  "
-                        f"fp8 {a.fp8_tflops or '-':>6}  int8 {a.int8_tops or '-':>6} TFLOP/s  ({a.source})"
-                        for a in plan.ACCELERATORS.values()))
-        return
-    if args.model is None:
-        raise PtqError("give the MODEL to plan: a model folder, a ptq checkpoint, a Hub name or 'builtin'")
-    acc = _plan_accelerator(args)
-    work = plan.workload(args.context, args.prompt_tokens, args.output_tokens, concurrency=args.concurrency,
-                         target_tpot_ms=args.target_tpot_ms, gpus=args.gpus,
-                         utilization=args.gpu_memory_utilization, workspace_gb=args.workspace_gb)
-    if args.plot is not None:
-        _plot_path(args.plot)
-    if args.checkpoint is not None and not args.measure:
-        raise PtqError("--checkpoint is for --measure (the checkpoint planned is MODEL itself); add --measure")
-    extra = [plan.candidate_from_recipe(Path(c).stem if Path(c).suffix else c.upper(), read_recipe(c)[0])
-             for c in args.candidate]
-    facts = plan.read_model(args.model, trust_remote_code=args.trust_remote_code)
-    estimates = plan.evaluate_candidates(facts, acc, work, extra)
-    chosen, why = plan.recommend(estimates, work)
-    if args.json:
-        print(json.dumps(render.as_json(facts, acc, work, estimates, chosen, why), indent=2))
-    else:
-        print(render.text(facts, acc, work, estimates, chosen, why, explain=args.explain))
-    if args.plot is not None:
-        render.plot(args.plot, acc, work, estimates)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    if args.measure:
-        _measure(args, work)
-
-
-def _plan_accelerator(args: argparse.Namespace):
-    from ptq import plan
-
-    given = [args.memory_gb, args.bandwidth_gbs, args.tflops]
-    if any(v is not None for v in given):
-        if args.gpu is not None:
-            raise PtqError("give --gpu or --memory-gb/--bandwidth-gbs/--tflops, not both")
-        if None in given:
-            raise PtqError("another GPU needs all three of --memory-gb, --bandwidth-gbs and --tflops")
-        return plan.custom(*given, fp8=args.fp8)
-    return plan.accelerator(args.gpu or "H100-SXM")
-
-
-def _plot_path(name: str) -> None:
-    """--plot's file, checked before any work; and matplotlib, which it needs."""
-    from ptq.plan.render import PLOT_MISSING
-
-    path = Path(name)
-    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise PtqError(f"--plot '{name[:60]}': give a .png, .svg or .pdf file")
-    if path.is_dir() or not path.parent.resolve().is_dir():
-        raise PtqError(f"--plot '{name[:60]}': folder '{path.parent}' does not exist or the path is a folder")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise PtqError(PLOT_MISSING) from None
-
-
-def _measure(args: argparse.Namespace, work) -> None:
-    from ptq.engine_bench import format_measurements, run_engine_bench
-
-    device = _device(args.device)
-    result = run_engine_bench(args.model, device, checkpoint=args.checkpoint)
-    print()
-    print(format_measurements(result))
+    plan(args)
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "push": cmd_push, "recipe": cmd_recipe, "bench": cmd_bench,

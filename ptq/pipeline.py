@@ -19,21 +19,22 @@ from torch import nn
 from ptq import moe
 from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
-from ptq.arch import check_linear_layers, check_mappings, find_blocks, mappings_from_patterns
+from ptq.arch import check_linear_layers, check_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
-from ptq.calibration.resume import BlockStore, fingerprint
+from ptq.calibration.resume import BlockStore, restore_blocks
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
-from ptq.coverage import Coverage, coverage, name_pattern
+from ptq.coverage import Coverage, coverage
 from ptq.devices import compute_dtype_for, cpu_settings
 from ptq.errors import PtqError
 from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
 from ptq.models import float32_names
 from ptq.modules import QuantLinear
+from ptq.moe_policy import check_experts_scheme, natural_key, router_notes, router_safe
 from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
-from ptq.recipe import GPTQStep, Recipe, TransformStep, WeightStep, load_recipe
+from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
 from ptq.smoothing import smooth_block_
 
 
@@ -143,7 +144,7 @@ def quantize(
         linears = select_linears(model, step)
         for transform in recipe.transforms:
             check_mappings(model, transform.mappings, transform.step_name)
-        _check_experts_scheme(model, linears, step)
+        check_experts_scheme(model, linears, step)
         planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
     if uses_calibration_data(recipe):  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
@@ -164,7 +165,7 @@ def quantize(
         report.notes.extend(planned.notes())
     else:
         report.notes.append("weights left as they are: the recipe quantizes the KV cache only")
-    report.notes.extend(_moe_notes(model))
+    report.notes.extend(router_notes(model))
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if step is not None and weights_use_calibration(recipe):
@@ -313,59 +314,8 @@ def _quantize_unrouted(model: nn.Module, run: BlockRun, linears: dict[str, nn.Li
     _quantize_rtn(model, linears, step, report, how="rtn (fallback)")
     prefix = run.name + "."
     experts = {prefix + (moe.expert_of(run.block, name[len(prefix):]) or name[len(prefix):]) for name in linears}
-    names = ", ".join(sorted(experts, key=_natural))
+    names = ", ".join(sorted(experts, key=natural_key))
     report.notes.append(f"RTN (fallback) for experts no calibration token was routed to: {names}")
-
-
-def _natural(name: str) -> list:
-    """Sort key: numbers in names compare as numbers (experts.10 after experts.9)."""
-    return [int(part) if part.isdigit() else part for part in name.split(".")]
-
-
-def _router_safe(block: nn.Module, transform: TransformStep, report) -> TransformStep | None:
-    """The smoothing step without the recipe mappings that would rescale what an MoE
-    block's routers read (ptq.moe.router_reads: they stay in 16 bits, unscaled, so the
-    routing would change), each named in the notes; None when no mapping is left."""
-    if not transform.mappings or not moe.has_experts(block):
-        return transform
-    kept = []
-    for pattern in transform.mappings:
-        resolved = mappings_from_patterns(block, [pattern], what=transform.step_name)
-        unsafe = [(m, owner) for m in resolved if (owner := moe.router_reads(block, m.smooth, m.balance))]
-        for mapping, owner in unsafe:
-            note = (f"{transform.step_name} mapping {mapping.describe()} skipped: the routers of {owner} read "
-                    f"{mapping.smooth}'s output too, and they are not rescaled")
-            if note not in report.notes:
-                report.notes.append(note)
-        if not unsafe:
-            kept.append(pattern)
-    return transform.model_copy(update={"mappings": kept}) if kept else None
-
-
-def _moe_notes(model: nn.Module) -> list[str]:
-    """What the report says about MoE blocks: the routers kept in 16 bits."""
-    routers = moe.router_names(model)
-    if not routers:
-        return []
-    patterns = list(dict.fromkeys(name_pattern(name) for name in routers))
-    return [f"MoE routers kept in 16 bits (they choose the experts; {len(routers)} modules): {', '.join(patterns)}"]
-
-
-def _check_experts_scheme(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep) -> None:
-    """Refuse expert weights in a form their readers lose: transformers 5.24 drops zero
-    points and weight_g_idx when it fuses the experts on load, and vLLM's MoE kernels take
-    symmetric weights without activation-order groups."""
-    asymmetric = not step.scheme.weights.symmetric
-    grouped = isinstance(step, GPTQStep) and step.actorder == "group"
-    if not (asymmetric or grouped):
-        return
-    experts = [name for name in linears if moe.expert_of(model, name)]
-    if experts:
-        what = "zero points (asymmetric weights)" if asymmetric else "activation-order groups (actorder: group)"
-        raise PtqError(
-            f"MoE experts ({experts[0]}, ...) with {what} do not load in transformers or vLLM; use a "
-            "symmetric scheme without actorder group, or add the experts to ignore"
-        )
 
 
 def _quantize_with_calibration(
@@ -382,7 +332,7 @@ def _quantize_with_calibration(
     elif outside:  # no calibration inputs are captured outside the blocks (e.g. lm_head)
         _quantize_rtn(model, outside, step, report)
         report.notes.append(f"RTN for Linears outside the decoder blocks: {', '.join(outside)}")
-    resumed = _resume(model, blocks_path, batches, step, report, store) if store else {}
+    resumed = restore_blocks(model, blocks_path, batches, step, report, store) if store else {}
 
     orders: dict[tuple, Stages] = {}  # blocks of one class and Linears run in one order
     kept = float32_names(model)
@@ -401,7 +351,7 @@ def _quantize_with_calibration(
             _quantize_rtn(model, {prefix + n: mine.pop(n) for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
         for transform in recipe.transforms:
-            transform = _router_safe(run.block, transform, report)
+            transform = router_safe(run.block, transform, report)
             if transform is None:
                 continue
             start = time.perf_counter()
@@ -451,35 +401,6 @@ def _quantize_with_calibration(
 
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
                show_progress=show_progress, block_done=block_done if store else None, weights=weights, **resumed)
-
-
-def _resume(model, blocks_path: str, batches, step: WeightStep, report, store: BlockStore) -> dict:
-    """Rebuild the blocks an earlier run finished; run_blocks' arguments to go on from there."""
-    identity = {
-        "recipe": report.recipe.to_yaml(),
-        "calibration_data": fingerprint(batches),
-        **report.settings(),
-    }
-    finished = store.begin(identity)
-    if not finished:
-        return {}
-    blocks = model.get_submodule(blocks_path)
-    for index in range(finished):
-        state, record = store.load_block(index)
-        block = blocks[index]
-        for name, meta in record["modules"].items():
-            linear = block.get_submodule(name)
-            module = QuantLinear.empty_like(linear, step.scheme, scale_dtype=report.checkpoint_dtype,
-                                            has_g_idx=f"{name}.weight_g_idx" in state)
-            module.actorder, module.observer = meta["actorder"], meta["observer"]
-            block.set_submodule(name, module)
-            linear.to("meta")
-        block.load_state_dict(state, strict=True, assign=True)
-        report.layers.update(record["layers"])
-        report.notes.extend(note for note in record["notes"] if note not in report.notes)
-        report.smoothing.update(record["smoothing"])
-    report.notes.append(f"resumed: blocks 0 to {finished - 1} were finished by an interrupted run")
-    return {"start": finished, "start_hidden": store.load_inputs()}
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ptq.errors import PtqError
+from ptq.modules import QuantLinear
 
 
 def fingerprint(tensor: Tensor) -> str:
@@ -93,3 +94,33 @@ class BlockStore:
 
     def _path(self, index: int, suffix: str) -> Path:
         return self.folder / f"block-{index:05d}.{suffix}"
+
+
+def restore_blocks(model: nn.Module, blocks_path: str, batches, step, report, store: BlockStore) -> dict:
+    """Rebuild the blocks an earlier run finished (QuantLinears of step's scheme, their
+    state and what the report learnt about them); run_blocks' arguments to go on from there."""
+    identity = {
+        "recipe": report.recipe.to_yaml(),
+        "calibration_data": fingerprint(batches),
+        **report.settings(),
+    }
+    finished = store.begin(identity)
+    if not finished:
+        return {}
+    blocks = model.get_submodule(blocks_path)
+    for index in range(finished):
+        state, record = store.load_block(index)
+        block = blocks[index]
+        for name, meta in record["modules"].items():
+            linear = block.get_submodule(name)
+            module = QuantLinear.empty_like(linear, step.scheme, scale_dtype=report.checkpoint_dtype,
+                                            has_g_idx=f"{name}.weight_g_idx" in state)
+            module.actorder, module.observer = meta["actorder"], meta["observer"]
+            block.set_submodule(name, module)
+            linear.to("meta")
+        block.load_state_dict(state, strict=True, assign=True)
+        report.layers.update(record["layers"])
+        report.notes.extend(note for note in record["notes"] if note not in report.notes)
+        report.smoothing.update(record["smoothing"])
+    report.notes.append(f"resumed: blocks 0 to {finished - 1} were finished by an interrupted run")
+    return {"start": finished, "start_hidden": store.load_inputs()}
