@@ -41,3 +41,23 @@ def test_fused_decoding_matches_the_reference(scheme, tokenizer):
     # per product. Measured: largest logit difference 4.7e-3 (FP8), 1.1e-3 (INT8), 2e-4 (kivi);
     # a wrong byte or scale moves logits by 0.1 or more.
     torch.testing.assert_close(logits[True], logits[False], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("scheme", [{"scheme": "INT4", "strategy": "kivi", "group_size": 16, "residual": 16},
+                                    {"scheme": "INT2", "strategy": "kivi", "group_size": 16, "residual": 16},
+                                    {"scheme": "INT8", "strategy": "head"}])
+def test_cache_and_kernel_decode_the_layout_alike(scheme):
+    """ptq.kv.quant (the cache, no triton needed) and kernels.kv_layout (beside the kernel)
+    decode the same stored bytes: two readings of one layout, kept equal."""
+    from ptq.kernels.kv_layout import dequantize_kv
+    from ptq.kv import QuantizedKVLayer
+
+    spec = parse_scheme(scheme)
+    scales = (torch.tensor([0.02, 0.03]), torch.tensor([0.01, 0.02])) if spec.static else (None, None)
+    layer = QuantizedKVLayer(spec, *scales)
+    g = torch.Generator().manual_seed(0)
+    keys, values = layer.update(torch.randn(2, 2, 80, 32, generator=g), torch.randn(2, 2, 80, 32, generator=g))
+    k, v = dequantize_kv(layer.storage())
+    quantized = layer.quantized_length
+    assert quantized > 0
+    assert torch.equal(k, keys[:, :, :quantized].float()) and torch.equal(v, values[:, :, :quantized].float())
