@@ -180,8 +180,10 @@ def _source_signature(folder: Path | None) -> dict:
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     from ptq.calibration.data import check_source, load_texts
-    from ptq.cli_quantize import (check_stream, print_summary, push_written, quantize_and_write,
-                                  quantize_streamed_and_write)
+    from ptq import distributed
+    from ptq.cli_quantize import (check_processes, check_stream, print_summary, push_written, quantize_and_write,
+                                  quantize_as_helper, quantize_streamed_and_write)
+    from ptq.distributed import launched
     from ptq.calibration.resume import BlockStore
     from ptq.checkpoint.output import check_output, claim_output, local_folder, work_folder
     from ptq.models import resolve_model_path
@@ -209,6 +211,12 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     if args.stream:
         check_stream(args, source, recipe)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
+    if launched():  # torchrun / accelerate launch: each process calibrates its share of the samples
+        check_processes(args, recipe)
+        device = distributed.start(device)
+        if not distributed.is_main():  # rank 0 evaluates and writes; the others only calibrate
+            quantize_as_helper(args, recipe, location, device)
+            return
     if translation_notes is not None:
         _print_translation(args.recipe, recipe, translation_notes)
     if args.resume and not work_folder(output).exists():
@@ -236,28 +244,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         push_written(output, args.push_to_hub)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class _Interrupted(Exception):
     """Ctrl-C during work: the message says what was kept."""
-
-
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -411,16 +399,6 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {written} ({args.format})")
 
 
-
-
-
-
-
-
-
-
-
-
 def cmd_plan(args: argparse.Namespace) -> None:
     from ptq.plan.cli import cmd_plan as plan
 
@@ -440,6 +418,20 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def _echo_of_rank_0() -> bool:
+    """A launched process other than rank 0 that failed before the processes joined: its
+    checks are rank 0's, which says the same line."""
+    from ptq import distributed
+
+    return distributed.launched() and os.environ.get("RANK", "0") != "0" and distributed.world_size() == 1
+
+
+def _rank_tag() -> str:
+    from ptq import distributed
+
+    return f" (process {distributed.rank()})" if distributed.rank() else ""
+
+
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -454,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         args.command_line = shlex.join(["ptq", *(a for a in argv if a != "--resume")])
         COMMANDS[args.command](args)
     except PtqError as error:
-        print(f"ptq: error: {error}", file=sys.stderr)
+        if not _echo_of_rank_0():
+            print(f"ptq: error: {error}{_rank_tag()}", file=sys.stderr)
         return 2
     except _Interrupted as interrupted:
         print(f"ptq: {interrupted}", file=sys.stderr)
@@ -462,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ptq: interrupted; nothing was written", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        from ptq import distributed
+
+        distributed.stop()  # a process group joined for multi-process calibration
     return 0
 
 

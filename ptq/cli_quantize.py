@@ -14,6 +14,7 @@ import torch
 
 from ptq.cli import _Interrupted
 from ptq.devices import compute_dtype_for
+from ptq.distributed import world_size
 from ptq.errors import PtqError
 
 
@@ -62,7 +63,7 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
         check_finite(model)  # as ptq.quantize would, before the reference's logits find it
         reference = _reference_logits(model, windows, slot.work / "reference-logits", compute_dtype_for(device, dtype))
     try:
-        ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store)
+        ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, store=store if world_size() == 1 else None)
         quality = None if reference is None else ptq.evaluate(model, windows, reference=reference)
     finally:
         if reference is not None:
@@ -82,6 +83,32 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
         write_in_format(model, slot.new_staging(), args.format, tokenizer=tokenizer, card=card)
     slot.publish()
     return names, before, after, quality, report, kv_quality
+
+
+def check_processes(args, recipe) -> None:
+    """What multi-process calibration (torchrun, accelerate launch) cannot do yet, before any work."""
+    from ptq.calibration.runner import BATCH_SIZE
+    from ptq.pipeline import uses_calibration_data
+
+    if args.resume:
+        raise PtqError("--resume runs in one process; start it without torchrun / accelerate launch")
+    if args.stream:
+        raise PtqError("--stream runs in one process; start it without torchrun / accelerate launch")
+    if not uses_calibration_data(recipe):
+        raise PtqError("this recipe uses no calibration data, so several processes have nothing to share; "
+                       "run one process")
+    processes, samples = int(os.environ["WORLD_SIZE"]), recipe.calibration.samples
+    if samples < processes * BATCH_SIZE:
+        raise PtqError(f"{samples} calibration samples are too few for {processes} processes: each needs a batch "
+                       f"of {BATCH_SIZE}; set calibration.samples to {processes * BATCH_SIZE} or more")
+
+
+def quantize_as_helper(args, recipe, location, device) -> None:
+    """A process other than rank 0: its share of the calibration, nothing to evaluate or write."""
+    import ptq
+
+    model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
+    ptq.quantize(model, recipe, tokenizer=tokenizer, device=device, show_progress=False)
 
 
 def check_stream(args, source: Path | None, recipe) -> None:

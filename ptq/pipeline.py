@@ -9,6 +9,7 @@ describing what was done. Nothing here prints (progress bars aside).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,25 +18,26 @@ import torch
 from torch import nn
 
 from ptq import moe
-from ptq.algorithms.gptq import gptq
 from ptq.algorithms.rtn import rtn
 from ptq.arch import check_linear_layers, check_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.resume import BlockStore, restore_blocks
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
-from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, run_blocks
+from ptq.calibration.runner import BATCH_SIZE, BlockRun, BlockWeights, Inputs, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage
 from ptq.devices import compute_dtype_for, cpu_settings
+from ptq.distributed import rank, sample_share, share_from, world_size
 from ptq.errors import PtqError
 from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
 from ptq.models import float32_names
 from ptq.modules import QuantLinear
 from ptq.moe_policy import check_experts_scheme, natural_key, router_notes, router_safe
-from ptq.primitives import QuantizedWeight, qparams_from_minmax
 from ptq.targets import matches
 from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
 from ptq.smoothing import smooth_block_
+from ptq.stage_solve import install as install_solved
+from ptq.stage_solve import replace_linear, solve_shared_input
 
 
 @dataclass
@@ -154,6 +156,7 @@ def quantize(
             messages_column=cal.messages_column,
             split=cal.split, config_name=cal.config_name, vocab_size=model.get_input_embeddings().num_embeddings,
         )
+        batches = _own_share(batches, model, store, weights)
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
                                 device.type, coverage=planned)
@@ -184,6 +187,25 @@ def quantize(
     report.seconds = time.perf_counter() - start
     model.ptq_report = report
     return model
+
+
+def _own_share(batches: torch.Tensor, model: nn.Module, store, weights) -> torch.Tensor:
+    """With several processes (ptq.distributed): this rank's slice of the calibration
+    samples, in whole batches; what multi-process calibration cannot do yet is refused."""
+    size = world_size()
+    if size == 1:
+        return batches
+    if batches.shape[0] < size * BATCH_SIZE:
+        raise PtqError(f"{batches.shape[0]} calibration samples are too few for {size} processes: each needs a "
+                       f"batch of {BATCH_SIZE}; set calibration.samples to {size * BATCH_SIZE} or more")
+    if any(moe.has_experts(block) for block in find_blocks(model)[1]):
+        raise PtqError("multi-process calibration does not combine the statistics of routed experts yet; "
+                       "quantize MoE models in one process")
+    if store is not None or weights is not None:
+        raise PtqError("multi-process calibration neither keeps blocks for --resume nor streams weights yet; "
+                       "run one process for those")
+    share = sample_share(batches.shape[0], BATCH_SIZE)
+    return batches[share.start:share.stop]
 
 
 def _describe_data(data) -> str:
@@ -229,15 +251,6 @@ def needs_calibration(step: WeightStep) -> bool:
     return isinstance(step, GPTQStep) or (acts is not None and not acts.dynamic)
 
 
-def _replace(
-    model: nn.Module, name: str, linear: nn.Linear, qw: QuantizedWeight, step: WeightStep, input_scale=None
-) -> QuantLinear:
-    module = QuantLinear.from_quantized(linear, qw, step.scheme, input_scale)
-    model.set_submodule(name, module)
-    linear.to("meta")  # the replaced Linear's full-precision weight is no longer needed: free it
-    return module
-
-
 def _make_observer(step: WeightStep) -> Callable[[], Observers]:
     """What a stage's shared input is observed for: the Hessian (GPTQ), the range (static acts)."""
     wanted = {}
@@ -248,19 +261,10 @@ def _make_observer(step: WeightStep) -> Callable[[], Observers]:
     return lambda: Observers(**{name: make() for name, make in wanted.items()})
 
 
-def _input_scale(absmax: torch.Tensor, step: WeightStep, dtype: torch.dtype) -> torch.Tensor | None:
-    """Static per-tensor activation scale from the calibrated max |x|."""
-    acts = step.scheme.input_activations
-    if acts is None or acts.dynamic:
-        return None
-    peak = absmax.max().reshape(1, 1)
-    return qparams_from_minmax(-peak, peak, acts, dtype)[0].reshape(1)
-
-
 def _quantize_rtn(model: nn.Module, linears: dict[str, nn.Linear], step: WeightStep, report, how: str = "rtn") -> None:
     for name, linear in linears.items():
         qw = rtn(linear.weight.detach(), step.scheme.weights, report.checkpoint_dtype, step.observer)
-        _replace(model, name, linear, qw, step)
+        replace_linear(model, name, linear, qw, step)
         report.layers[name] = how
 
 
@@ -279,13 +283,17 @@ def _quantize_rtn_streamed(model: nn.Module, linears: dict[str, nn.Linear], step
         weights.done(unit)
 
 
-def _calibrate_groups(run: BlockRun, order: Stages, mine: dict, make_observer, quantize_stage,
+def _calibrate_groups(run: BlockRun, order: Stages, mine: dict, make_observer, solve_stage, install,
                       sequential: bool) -> list[str]:
     """Observe a group of stages in one pass over the batches, then quantize its stages;
     one group for the whole block, or (true-sequential) one per stage, each calibrated on
     the outputs of the groups quantized before it. In an MoE block the experts' stages
     join up (all gate/up, then all down: ptq.moe.sequential_groups). Returns the Linears
-    of the stages no batch reached (experts the router never chose), left unquantized."""
+    of the stages no batch reached (experts the router never chose), left unquantized.
+
+    solve_stage(stage, observer) solves a stage (on its owner rank, with several
+    processes) and install(solved) shares and installs it: with several processes a
+    group's stages are all solved first, each rank solving its own at the same time."""
     unreached: list[str] = []
     if not sequential:
         groups = [sum(order.stages, [])]
@@ -297,13 +305,18 @@ def _calibrate_groups(run: BlockRun, order: Stages, mine: dict, make_observer, q
         stop_at = mine[groups[i + 1][0]] if i + 1 < len(groups) and not interleaved else None
         observers = run.collect({n: mine[n] for n in group}, make_observer, stop_at=stop_at)
         members = set(group)
+        solved = []
         for stage in order.stages:  # Linears of one stage share their observer
             if stage[0] not in members:
                 continue
             if stage[0] in observers:
-                quantize_stage(stage, observers[stage[0]])
+                solved.append(solve_stage(stage, observers[stage[0]]))
+                if world_size() == 1:
+                    install(solved.pop())
             else:
                 unreached += stage
+        for pending in solved:
+            install(pending)
     return unreached
 
 
@@ -338,6 +351,7 @@ def _quantize_with_calibration(
     kept = float32_names(model)
     float32_ids = {id(p) for n, p in model.named_parameters() if n in kept and p.dtype == torch.float32}
     make_observer = _make_observer(step)
+    solves = itertools.count()
 
     def process(run: BlockRun) -> Inputs | None:
         prefix = run.name + "."
@@ -365,10 +379,20 @@ def _quantize_with_calibration(
             _quantize_rtn(model, {prefix + n: m for n, m in mine.items()}, step, report)
             return None
 
-        def quantize_stage(stage: list[str], observer: Observers) -> dict[str, nn.Module]:
+        def solve_stage(stage: list[str], observer: Observers) -> tuple:
             linears = {prefix + rel: mine[rel] for rel in stage}
-            modules = _quantize_shared_input(model, linears, observer.value, step, report)
+            owner = next(solves) % world_size()  # each stage is solved once, by one rank
+            stats = observer.value  # every rank reads it: the ranks' statistics combine
+            solved = solve_shared_input(linears, stats, step, report) if rank() == owner else None
+            return linears, owner, solved
+
+        def install(pending: tuple) -> dict[str, nn.Module]:
+            linears, owner, solved = pending
+            modules = install_solved(model, linears, share_from(solved, owner), step, report)
             return {name[len(prefix):]: module for name, module in modules.items()}
+
+        def quantize_stage(stage: list[str], observer: Observers) -> dict[str, nn.Module]:
+            return install(solve_stage(stage, observer))
 
         start = time.perf_counter()
         outputs, unreached = None, []
@@ -377,7 +401,8 @@ def _quantize_with_calibration(
             if cal.true_sequential and order.called_once and not moe.has_experts(run.block):
                 outputs = quantize_block_sequentially(run, order, mine, make_observer, quantize_stage)
             else:
-                unreached = _calibrate_groups(run, order, mine, make_observer, quantize_stage, cal.true_sequential)
+                unreached = _calibrate_groups(run, order, mine, make_observer, solve_stage, install,
+                                              cal.true_sequential)
         if unreached:
             _quantize_unrouted(model, run, {prefix + rel: mine[rel] for rel in unreached}, step, report)
         report.add_time("calibration passes", time.perf_counter() - start)
@@ -413,45 +438,3 @@ def _round_to_(module: nn.Module, dtype: torch.dtype, keep: set[int] = frozenset
             param.copy_(param.to(dtype))
 
 
-def _quantize_shared_input(model, linears: dict[str, nn.Linear], stats: dict, step: WeightStep, report) -> dict[str, nn.Module]:
-    """Quantize Linears that read one input (q/k/v, gate/up) from its statistics and install
-    their QuantLinears. GPTQ solves them as one weight stacked along the outputs: its rows
-    are independent given the shared Hessian, so one factorisation and one column loop
-    serve them all."""
-    args = step.scheme.weights
-    names = list(linears)
-    weights = [linear.weight.detach() for linear in linears.values()]
-    if isinstance(step, GPTQStep):
-        start = time.perf_counter()
-        result = gptq(
-            torch.cat(weights), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
-            block_size=step.block_size, damp=step.damp, actorder=step.actorder, scales=step.scales,
-            observer=step.observer,
-        )
-        report.add_time("GPTQ solves", time.perf_counter() - start)
-        parts = _split_rows(result.weight, [w.shape[0] for w in weights])
-        how = "gptq" if result.fallback is None else "rtn (fallback)"
-        if result.fallback:
-            report.notes.append(f"{', '.join(names)}: GPTQ fell back to RTN: {result.fallback}")
-    else:
-        parts = [rtn(w, args, report.checkpoint_dtype, step.observer) for w in weights]
-        how = "rtn"
-    scale = _input_scale(stats["absmax"], step, report.checkpoint_dtype) if "absmax" in stats else None
-    modules = {}
-    for name, qw in zip(names, parts):
-        report.layers[name] = how
-        modules[name] = _replace(model, name, linears[name], qw, step, scale)
-    return modules
-
-
-def _split_rows(qw: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
-    """The QuantizedWeights of stacked Linears, cut back along the output rows."""
-    if len(rows) == 1:
-        return [qw]
-
-    def cut(t: torch.Tensor | None) -> list:
-        return [None] * len(rows) if t is None else list(t.split(rows))
-
-    # one scale per tensor: the stacked Linears were quantized with the same one
-    scales = [qw.scale] * len(rows) if qw.args.strategy == "tensor" else cut(qw.scale)
-    return [qw.with_(q=q, scale=s, zero=z) for q, s, z in zip(cut(qw.q), scales, cut(qw.zero))]

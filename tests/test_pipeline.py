@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ptq.algorithms.gptq import gptq
-from ptq.pipeline import _split_rows
+from ptq.stage_solve import split_rows as _split_rows
 from ptq.schemes import PRESETS
 
 

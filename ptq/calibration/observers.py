@@ -1,4 +1,10 @@
-"""Observers: running statistics of a Linear's input, updated batch by batch in float32."""
+"""Observers: running statistics of a Linear's input, updated batch by batch in float32.
+
+With several processes (ptq.distributed), each observes its own calibration samples and
+the first read of `value` combines the ranks' statistics (sums add up, maxima take the
+larger): a collective call, which every rank makes for the same observers in the same
+order, as the ranks run the same code. With one process it costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ptq.devices import bf16_products_split_exactly, cpu_bf16_is_fast, split_bf16_product
+from ptq.distributed import all_reduce_, all_reduce_count
 
 
 class Observer:
@@ -77,7 +84,8 @@ class HessianObserver(Observer):
         [in, in] matrix: they are large); the observer takes no batches after that."""
         if self._value is None:
             assert self.sum is not None, "no calibration batch reached this Linear"
-            H = self.sum.mul_(2.0 / self.tokens)
+            tokens = all_reduce_count(self.tokens)  # the upper blocks of the ranks' sums add up
+            H = all_reduce_(self.sum).mul_(2.0 / tokens)
             edges = self._edges(H.shape[0])
             for a, b in zip(edges[1:-1], edges[2:]):
                 H[a:b, :a] = H[:a, a:b].t()
@@ -100,6 +108,7 @@ class AbsMaxObserver(Observer):
 
     def __init__(self) -> None:
         self.max: Tensor | None = None
+        self._reduced = False
 
     def update(self, x: Tensor) -> None:
         current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
@@ -108,6 +117,8 @@ class AbsMaxObserver(Observer):
     @property
     def value(self) -> Tensor:
         assert self.max is not None, "no calibration batch reached this Linear"
+        if not self._reduced:
+            self.max, self._reduced = all_reduce_(self.max, "max"), True
         return self.max
 
 
@@ -117,6 +128,7 @@ class MeanAbsObserver(Observer):
     def __init__(self) -> None:
         self.sum: Tensor | None = None
         self.tokens = 0
+        self._reduced = False
 
     def update(self, x: Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1])
@@ -127,6 +139,8 @@ class MeanAbsObserver(Observer):
     @property
     def value(self) -> Tensor:
         assert self.sum is not None, "no calibration batch reached this Linear"
+        if not self._reduced:
+            self.sum, self.tokens, self._reduced = all_reduce_(self.sum), all_reduce_count(self.tokens), True
         return self.sum / self.tokens
 
 

@@ -28,6 +28,7 @@ from ptq.calibration.observers import Observer
 from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
+BATCH_SIZE = 2  # calibration samples run through a block together
 
 
 class BlockWeights(Protocol):
@@ -225,7 +226,7 @@ def run_blocks(
     process: Callable[[BlockRun], Inputs | None],
     *,
     device: torch.device,
-    batch_size: int = 2,
+    batch_size: int = BATCH_SIZE,
     propagate: str = "quantized",
     show_progress: bool = True,
     start: int = 0,

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ptq.arch import find_blocks
 from ptq.calibration.runner import BlockRun, Inputs, run_blocks
+from ptq.distributed import all_reduce_
 from ptq.errors import PtqError
 from ptq.kv import quant
 from ptq.kv.scheme import KVCacheScheme
@@ -118,6 +119,9 @@ def calibrate_kv(model: nn.Module, batches: Tensor, spec: KVCacheScheme, *, devi
         return outputs
 
     run_blocks(model, blocks_path, batches, observe, device=device, show_progress=show_progress)
+    for seen in (observer.keys, observer.values):  # with several processes: the ranges of all their samples
+        for i in sorted(seen):
+            all_reduce_(seen[i], "max")
     layers, heads, _ = attention_shape(model.config)
     missing = [i for i in range(layers) if i not in observer.keys]
     if missing:

@@ -1,0 +1,178 @@
+"""Multi-process calibration (ptq.distributed): 2 CPU processes on gloo against one process.
+
+Statistics combined by maxima (SmoothQuant's ranges, static activation and KV scales) are
+exact, so those checkpoints are bit-identical to one process's. Sums (Hessians) add up in
+another order: GPTQ turns last-bit differences of H into different codes (its error
+feedback carries a flipped rounding along the row), so the 2-process GPTQ checkpoint is
+compared with what a reordering alone does to one process's: the same samples with their
+two halves swapped, summed in another order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+import ptq
+from ptq.calibration.data import calibration_batches
+from ptq.calibration.observers import AbsMaxObserver, HessianObserver, MeanAbsObserver
+from ptq.distributed import sample_share
+from ptq.packing import unpack_int32
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"dataset": "builtin", "samples": 8, "seq_len": 128, "seed": 0}
+
+
+def _observe(rank: int, init_file: str, x: torch.Tensor, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        share = sample_share(x.shape[0], 2)
+        observers = {"hessian": HessianObserver(), "absmax": AbsMaxObserver(), "meanabs": MeanAbsObserver()}
+        for batch in x[share.start:share.stop].split(2):
+            for observer in observers.values():
+                observer.update(batch)
+        values = {name: observer.value for name, observer in observers.items()}
+        if rank == 0:
+            torch.save(values, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_observers_combine_the_statistics_of_both_processes(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(8, 300, 96) * torch.linspace(0.1, 5, 96)  # [samples, tokens, features]
+    mp.spawn(_observe, args=(str(tmp_path / "init"), x, str(tmp_path / "two.pt")), nprocs=2)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    one = {"hessian": HessianObserver(), "absmax": AbsMaxObserver(), "meanabs": MeanAbsObserver()}
+    for batch in x.split(2):
+        for observer in one.values():
+            observer.update(batch)
+    assert torch.equal(two["absmax"], one["absmax"].value)  # a maximum does not depend on the order
+    # sums: float32 summation order only
+    torch.testing.assert_close(two["hessian"], one["hessian"].value, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(two["meanabs"], one["meanabs"].value, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("samples, size, expected", [
+    (8, 2, [(0, 4), (4, 8)]),
+    (10, 2, [(0, 4), (4, 10)]),  # 5 batches of 2: 2 and 3
+    (7, 3, [(0, 2), (2, 4), (4, 7)]),  # the last batch is short, as in one process
+    (10, 1, [(0, 10)]),
+])
+def test_sample_share_gives_each_process_whole_batches(monkeypatch, samples, size, expected):
+    import ptq.distributed as distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: size)
+    shares = []
+    for r in range(size):
+        monkeypatch.setattr(distributed, "rank", lambda r=r: r)
+        share = distributed.sample_share(samples, 2)
+        shares.append((share.start, share.stop))
+    assert shares == expected
+
+
+def _recipe(tmp_path: Path, name: str, steps: list, **extra) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps({"calibration": SMALL, "steps": steps, **extra}))
+    return path
+
+
+def _quantize(recipe: Path, output: Path, processes: int, *extra: str) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    command = (launcher if processes > 1 else [sys.executable]) + [
+        "-m", "ptq", "quantize", "--model", "builtin", "--recipe", str(recipe), "--output", str(output), "--no-eval",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, cwd=output.parent, env=env, timeout=600)
+
+
+W8A8_STATIC = [
+    {"smoothquant": {"alpha": 0.5}},
+    {"rtn": {"scheme": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                              "strategy": "tensor", "dynamic": False}},
+             "targets": ["Linear"], "ignore": ["lm_head"]}},
+]
+
+
+@pytest.mark.parametrize("name, steps, extra", [
+    ("w8a8-static", W8A8_STATIC, {}),
+    ("fp8-kv", [{"rtn": {"scheme": "FP8_DYNAMIC", "targets": ["Linear"], "ignore": ["lm_head"]}}],
+     {"kv_cache": {"scheme": "FP8", "strategy": "tensor"}}),
+])
+def test_two_processes_write_one_process_checkpoint_where_statistics_are_maxima(tmp_path, name, steps, extra):
+    recipe = _recipe(tmp_path, name, steps, **extra)
+    one, two = _quantize(recipe, tmp_path / "one", 1), _quantize(recipe, tmp_path / "two", 2)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert any(k.endswith(("input_scale", "k_scale")) for k in a)  # the calibrated scales are among them
+
+
+def _codes(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = load_file(folder / "model.safetensors")
+    return {k: unpack_int32(t, 4, t.shape[1] * 8) for k, t in tensors.items() if k.endswith("weight_packed")}
+
+
+def _differing(a: dict, b: dict) -> float:
+    return sum(int((a[k] != b[k]).sum()) for k in a) / sum(t.numel() for t in a.values())
+
+
+def _kl(folder_a: Path, folder_b: Path) -> float:
+    windows = ptq.eval_windows(ptq.load_model("builtin")[1], seq_len=256, max_windows=4)
+    return ptq.evaluate(ptq.load(folder_b), windows, reference=ptq.load(folder_a), show_progress=False).kl
+
+
+def test_two_processes_gptq_differs_from_one_process_as_a_reordering_does(tmp_path):
+    steps = [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]
+    recipe = _recipe(tmp_path, "gptq", steps)
+    one, two = _quantize(recipe, tmp_path / "one", 1), _quantize(recipe, tmp_path / "two", 2)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    # one process on the same samples, halves swapped (the batches stay the same pairs)
+    model, tokenizer = ptq.load_model("builtin")
+    ids = calibration_batches(tokenizer, "builtin", samples=SMALL["samples"], seq_len=SMALL["seq_len"], seed=0)
+    half = SMALL["samples"] // 2
+    ptq.quantize(model, ptq.load_recipe(recipe), tokenizer=tokenizer, data=torch.cat([ids[half:], ids[:half]]),
+                 show_progress=False)
+    ptq.save(model, tmp_path / "swapped", tokenizer=tokenizer)
+    codes = _codes(tmp_path / "one")
+    by_processes, by_order = _differing(codes, _codes(tmp_path / "two")), _differing(codes, _codes(tmp_path / "swapped"))
+    assert by_processes <= max(2 * by_order, 1e-3), (by_processes, by_order)
+    assert _kl(tmp_path / "one", tmp_path / "two") <= max(2 * _kl(tmp_path / "one", tmp_path / "swapped"), 1e-4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--resume",), "--resume runs in one process"),
+    (("--stream",), "--stream runs in one process"),
+])
+def test_what_several_processes_cannot_do_is_refused_in_one_line(tmp_path, extra, message):
+    steps = [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]
+    result = _quantize(_recipe(tmp_path, "gptq", steps), tmp_path / "out", 2, *extra)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ptq: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]  # rank 0 says it, rank 1 stays quiet
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_few_samples_for_the_processes_is_refused(tmp_path):
+    steps = [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]
+    recipe = tmp_path / "few.yaml"
+    recipe.write_text(json.dumps({"calibration": {**SMALL, "samples": 2}, "steps": steps}))
+    result = _quantize(recipe, tmp_path / "out", 2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ptq: error:")]
+    assert len(errors) == 1 and "2 calibration samples are too few for 2 processes" in errors[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
