@@ -9,6 +9,9 @@
        generate text, and compare the kernels' logits with the dequantized torch reference
     4. the engine benchmark (ptq bench --engine): generate() on the bundled model, TTFT / TPOT beside
        ptq plan's bounds for this GPU
+    5. GPTQ W4A16 on a Llama-3-8B-shaped model, 512 x 2048 tokens (scripts/gpu_gptq_8b.py): 8 of
+       its 32 layers by default (--gptq-layers 32 for all), the 32-layer time estimated against
+       the 5-minute goal (about 1-2 minutes)
 
 Run it from the repository root: `bash scripts/gpu_check.sh` (or `python scripts/gpu_check.py`).
 Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 0 otherwise.
@@ -184,15 +187,27 @@ def step_engine() -> bool:
     return True
 
 
+def step_gptq_8b(layers: int) -> bool:
+    from gpu_gptq_8b import gptq_8b
+
+    return gptq_8b("cuda", layers=layers)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
     parser.add_argument("--skip-tests", action="store_true", help="skip step 1")
+    parser.add_argument("--gptq-layers", type=int, default=8, help="layers of the Llama-3-8B-shaped GPTQ (step 5)")
+    parser.add_argument("--dry-run-gptq", action="store_true", help="run step 5's code path on the CPU, tiny sizes")
     parser.add_argument("--dry-run-model", action="store_true",
                         help="run step 3's code path on the CPU (needs TRITON_INTERPRET=1), tiny sizes")
     args = parser.parse_args(argv)
     if args.dry_run_model:
         return 0 if step_model("cpu", n_windows=1, seq_len=16, new_tokens=2) else 1
+    if args.dry_run_gptq:
+        from gpu_gptq_8b import TINY, gptq_8b
+
+        return 0 if gptq_8b("cpu", layers=2, samples=4, seq_len=64, shape=TINY) else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False); "
               "run it on a machine with an NVIDIA GPU. The CPU tests run with: pytest tests/kernels")
@@ -214,6 +229,7 @@ def main(argv=None) -> int:
     steps.append(("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)))
     steps.append(("3 bundled model with kernels", step_model))
     steps.append(("4 engine benchmark vs ptq plan's bounds", step_engine))
+    steps.append(("5 GPTQ on a Llama-3-8B shape", lambda: step_gptq_8b(args.gptq_layers)))
     for name, step in steps:
         print(f"[{name}]")
         start = time.time()

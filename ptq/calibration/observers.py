@@ -43,7 +43,8 @@ class HessianObserver(Observer):
     differently for each count (float32: 2048 tokens differ between 1 and 2 threads; bf16:
     1024 tokens between 1 and 3); up to 512 they do not (checked for 1 to 16 threads). The
     bf16 updates take 10-25% longer for it (6% of the bundled model's quantize time), the
-    float32 ones no longer than before.
+    float32 ones no longer than before. On a GPU, where a GEMM's sum does not depend on a
+    thread count, each batch is one GEMM per row of blocks.
     """
 
     BLOCK = 256
@@ -69,7 +70,9 @@ class HessianObserver(Observer):
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32, device=x.device)
         edges = self._edges(n)
-        for chunk in flat.split(self.CHUNK):  # [<= CHUNK, in]
+        # on a GPU the whole batch in one GEMM: small ones would cost a launch each, and
+        # a GPU's sums do not depend on a thread count
+        for chunk in flat.split(self.CHUNK if flat.device.type == "cpu" else flat.shape[0]):  # [<= CHUNK, in]
             for a, b in zip(edges, edges[1:]):  # the row of blocks from the diagonal on
                 if split:
                     hi, lo = split_bf16_product(chunk[:, a:b].t(), chunk[:, a:])  # [b - a, n - a] each
