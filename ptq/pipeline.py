@@ -128,6 +128,10 @@ def quantize(
     interrupted run with the same recipe, data and dtypes finished (ptq.calibration.resume).
     MoE experts fused by transformers are first split into one Linear per expert and
     projection (ptq.moe; the model computes the same), also when a later check fails.
+    Several processes (torchrun, accelerate launch; a torch.distributed process group
+    already initialised): every rank passes the same model, recipe and data; each runs its
+    share of the calibration samples, the statistics are combined, each stage is solved by
+    one rank, and every rank ends with the same quantized model (save it on rank 0 only).
     weights: the model is on the meta device and its weights are streamed from disk, one
     block at a time, and written out as each is finished (ptq.streaming.quantize_streamed,
     which builds this argument; it checks each weight for NaN and Inf as it loads it).

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import ptq
+import ptq.recipe
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, MeanAbsObserver
 from ptq.distributed import sample_share
@@ -77,6 +78,27 @@ def test_sample_share_gives_each_process_whole_batches(monkeypatch, samples, siz
         share = distributed.sample_share(samples, 2)
         shares.append((share.start, share.stop))
     assert shares == expected
+
+
+def _quantize_as_rank(rank: int, init_file: str, recipe: dict, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, tokenizer = ptq.load_model("builtin")
+        ptq.quantize(model, ptq.recipe.parse_recipe(recipe), tokenizer=tokenizer, show_progress=False)
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{out}-{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_every_rank_ends_with_the_same_quantized_model(tmp_path):
+    """The library in a process group the caller made: the ranks calibrate different
+    samples, yet every stage's weights come from the one rank that solved it."""
+    recipe = {"calibration": SMALL, "steps": [{"gptq": {"scheme": "W4A16", "targets": ["Linear"],
+                                                        "ignore": ["lm_head"]}}]}
+    mp.spawn(_quantize_as_rank, args=(str(tmp_path / "init"), recipe, str(tmp_path / "model")), nprocs=2)
+    a, b = (torch.load(tmp_path / f"model-{r}.pt", weights_only=True) for r in (0, 1))
+    assert a.keys() == b.keys() and any(k.endswith("weight_packed") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def _recipe(tmp_path: Path, name: str, steps: list, **extra) -> Path:
