@@ -429,7 +429,8 @@ def _quantize_with_calibration(
         store.save_block(index, block, record, hidden)
 
     run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
-               show_progress=show_progress, block_done=block_done if store else None, weights=weights, **resumed)
+               show_progress=show_progress, block_done=block_done if store else None, weights=weights,
+               notes=report.notes, **resumed)
 
 
 @torch.no_grad()

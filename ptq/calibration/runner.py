@@ -9,13 +9,16 @@
    (quantized) block to get the next block's inputs, move it back.
 
 Peak accelerator memory is one block plus the activations of the calibration samples.
+When those would not fit in the GPU's free memory (activation_device), they wait on the
+CPU between uses instead: each batch's hidden states go to the GPU when a pass reads them
+and come back when the block has produced them (bit-identical results, more transfers).
 The runner knows modules and hooks, not algorithms: callers say which Linears to observe
 and with which observer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,9 +68,9 @@ class _Recorder(nn.Module):
     hidden states through (the last one ends the pass). Attributes the model's loop reads
     from a block (Gemma 3's attention_type) come from the block it stands in for."""
 
-    def __init__(self, block: nn.Module, calls: list, last: bool):
+    def __init__(self, block: nn.Module, calls: list, first: bool, last: bool, store: torch.device):
         super().__init__()
-        self.block, self.calls, self.last = block, calls, last
+        self.block, self.calls, self.first, self.last, self.store = block, calls, first, last, store
 
     def __getattr__(self, name: str):
         try:
@@ -76,7 +79,11 @@ class _Recorder(nn.Module):
             return getattr(super().__getattr__("block"), name)
 
     def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
+        hidden = _hidden_of(args, kwargs)
+        if self.first:  # block 0's inputs start the calibration: kept where activations wait
+            self.calls.append(_with_hidden(args, kwargs, hidden.to(self.store)))
+        else:  # only the keyword arguments of the other blocks are kept
+            self.calls.append(((), {k: v for k, v in kwargs.items() if v is not hidden}))
         if self.last:
             raise _StopForward
         return args[0] if args else kwargs["hidden_states"]
@@ -84,15 +91,17 @@ class _Recorder(nn.Module):
 
 @torch.no_grad()
 def capture_block_inputs(
-    model: nn.Module, blocks: nn.ModuleList, batches: Tensor, device: torch.device, batch_size: int
+    model: nn.Module, blocks: nn.ModuleList, batches: Tensor, device: torch.device, batch_size: int,
+    store: torch.device | None = None,
 ) -> tuple[Inputs, list[list[dict]]]:
-    """For each batch of token ids [samples, seq_len]: the arguments block 0 receives, and
-    the keyword arguments every block receives ([batch][block]). They differ between blocks
-    where layer types differ (Gemma 3's sliding and full attention: masks, rotary tables)."""
+    """For each batch of token ids [samples, seq_len]: the arguments block 0 receives (its
+    hidden states on `store`, the compute device by default), and the keyword arguments
+    every block receives ([batch][block]). They differ between blocks where layer types
+    differ (Gemma 3's sliding and full attention: masks, rotary tables)."""
     calls: list[list] = [[] for _ in blocks]
     originals = list(blocks)
     for i, block in enumerate(originals):
-        blocks[i] = _Recorder(block, calls[i], last=i == len(originals) - 1)
+        blocks[i] = _Recorder(block, calls[i], first=i == 0, last=i == len(originals) - 1, store=store or device)
     try:
         _move_all_but_blocks(model, nn.ModuleList(originals), device)
         for batch in batches.split(batch_size):
@@ -128,14 +137,58 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict
     return args, {**kwargs, "hidden_states": hidden}
 
 
+ACTIVATION_SHARE = 0.8  # of the GPU memory free beside two blocks, that activations may take
+
+
+def activation_device(model: nn.Module, blocks: nn.ModuleList, tokens: int, device: torch.device) -> torch.device:
+    """Where the calibration activations wait between passes: on the compute device, or on
+    the CPU when they would not fit on the GPU. Counted per token: a block's inputs, its
+    outputs and its attention's output (hidden each), and at the MLP two intermediate-wide
+    tensors (the recorded input of down_proj beside the gate/up outputs it replaces)."""
+    if device.type != "cuda":
+        return device
+    config = getattr(model, "config", None)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return device  # nothing to estimate from: as before
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    element = next(blocks.parameters()).element_size()
+    needed = tokens * element * (3 * hidden + 2 * intermediate)
+    block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if needed <= ACTIVATION_SHARE * (free - 2 * block_bytes) else torch.device("cpu")
+
+
+class OnDevice(Sequence):
+    """A block's calibration inputs that wait on the CPU: reading a batch moves its hidden
+    states to the compute device (the other arguments are there already)."""
+
+    def __init__(self, inputs: Inputs, device: torch.device):
+        self.inputs, self.device = inputs, device
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> tuple[tuple, dict]:
+        args, kwargs = self.inputs[i]
+        return _with_hidden(args, kwargs, _hidden_of(args, kwargs).to(self.device))
+
+
 @dataclass
 class BlockRun:
-    """One block on the compute device with its calibration inputs."""
+    """One block on the compute device with its calibration inputs; `store`: where the
+    activations wait between passes (the compute device, or the CPU: see OnDevice)."""
 
     index: int
     name: str
     block: nn.Module
-    inputs: Inputs
+    inputs: Sequence[tuple[tuple, dict]]
+    store: torch.device | None = None
+
+    def keep(self, hidden: Tensor) -> Tensor:
+        """hidden states to keep for a later pass, moved to where activations wait."""
+        return hidden if self.store is None else hidden.to(self.store)
 
     @torch.no_grad()
     def collect(
@@ -202,7 +255,8 @@ class BlockRun:
     def outputs(self) -> Inputs:
         """The next block's inputs: this block's outputs for every batch."""
         with cached_weight(self.block):
-            return [_with_hidden(args, kwargs, _hidden(self.block(*args, **kwargs))) for args, kwargs in self.inputs]
+            return [_with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))
+                    for args, kwargs in self.inputs]
 
 
 def _raise_stop(_module, _args):
@@ -233,6 +287,7 @@ def run_blocks(
     start_hidden: list[Tensor] | None = None,
     block_done: Callable[[int, nn.Module, list[Tensor]], None] | None = None,
     weights: BlockWeights | None = None,
+    notes: list[str] | None = None,
 ) -> None:
     """Call process(run) for each block in order, feeding it the calibration inputs.
 
@@ -249,6 +304,7 @@ def run_blocks(
 
     weights: a model streamed from disk (on the meta device but for what the capture needs):
     each block is loaded before it is processed and handed back after block_done.
+    notes: told when the activations wait on the CPU (activation_device).
     """
     blocks = model.get_submodule(blocks_path)
     home = next(blocks.parameters()).device  # where the model lives between uses
@@ -256,12 +312,16 @@ def run_blocks(
         home = torch.device("cpu")
     if weights is not None:
         weights.capturing()
-    inputs, block_kwargs = capture_block_inputs(model, blocks, batches, device, batch_size)
+    store = activation_device(model, blocks, batches.numel(), device)
+    if store != device and notes is not None:
+        notes.append(f"the calibration activations of {batches.shape[0]} x {batches.shape[1]} tokens wait on the "
+                     f"CPU between passes: they would not fit in the free memory of {device}")
+    inputs, block_kwargs = capture_block_inputs(model, blocks, batches, device, batch_size, store=store)
     if weights is not None:
         weights.captured()
     if start_hidden is not None:
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
-        inputs = [_with_hidden(args, kwargs, h.to(device)) for (args, kwargs), h in zip(inputs, start_hidden)]
+        inputs = [_with_hidden(args, kwargs, h.to(store)) for (args, kwargs), h in zip(inputs, start_hidden)]
     with tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
         for index in range(start, len(blocks)):
             block = blocks[index]
@@ -270,13 +330,15 @@ def run_blocks(
             if weights is not None:
                 weights.load(f"{blocks_path}.{index}")
             with _onloaded(block, device):
-                run = BlockRun(index, f"{blocks_path}.{index}", block, inputs)
+                run = BlockRun(index, f"{blocks_path}.{index}", block,
+                               inputs if store == device else OnDevice(inputs, device), store)
                 original_outputs = run.outputs() if propagate == "original" else None
                 outputs = process(run)
                 if original_outputs is not None:
                     inputs = original_outputs
                 else:
                     inputs = outputs if outputs is not None else run.outputs()
+                inputs = [_with_hidden(args, kwargs, run.keep(_hidden_of(args, kwargs))) for args, kwargs in inputs]
             if block_done is not None:
                 block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
             if weights is not None:
