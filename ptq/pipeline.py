@@ -37,7 +37,7 @@ from ptq.targets import matches
 from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
 from ptq.smoothing import smooth_block_
 from ptq.stage_solve import install as install_solved
-from ptq.stage_solve import replace_linear, solve_shared_input
+from ptq.stage_solve import gather_rows, replace_linear, rows_split, solve_shared_input
 
 
 @dataclass
@@ -385,14 +385,21 @@ def _quantize_with_calibration(
 
         def solve_stage(stage: list[str], observer: Observers) -> tuple:
             linears = {prefix + rel: mine[rel] for rel in stage}
-            owner = next(solves) % world_size()  # each stage is solved once, by one rank
             stats = observer.value  # every rank reads it: the ranks' statistics combine
+            if world_size() > 1 and rows_split(step):  # each rank solves a slice of the rows
+                return linears, None, solve_shared_input(linears, stats, step, report, (rank(), world_size()))
+            owner = next(solves) % world_size()  # else each stage is solved once, by one rank
             solved = solve_shared_input(linears, stats, step, report) if rank() == owner else None
             return linears, owner, solved
 
         def install(pending: tuple) -> dict[str, nn.Module]:
             linears, owner, solved = pending
-            modules = install_solved(model, linears, share_from(solved, owner), step, report)
+            if owner is None:  # the row slices of every rank, joined
+                rows = [linear.out_features for linear in linears.values()]
+                solved = gather_rows([share_from(solved, r) for r in range(world_size())], rows)
+            else:
+                solved = share_from(solved, owner)
+            modules = install_solved(model, linears, solved, step, report)
             return {name[len(prefix):]: module for name, module in modules.items()}
 
         def quantize_stage(stage: list[str], observer: Observers) -> dict[str, nn.Module]:

@@ -50,22 +50,35 @@ class Solved:
     seconds: float  # in the GPTQ solve
 
 
-def solve_shared_input(linears: dict[str, nn.Linear], stats: dict, step: WeightStep, report) -> Solved:
+def rows_split(step: WeightStep) -> bool:
+    """Whether several processes can each solve a slice of a stage's rows: GPTQ's rows are
+    independent given the Hessian, unless one scale spans them all (per tensor)."""
+    return isinstance(step, GPTQStep) and step.scheme.weights.strategy != "tensor"
+
+
+def solve_shared_input(linears: dict[str, nn.Linear], stats: dict, step: WeightStep, report,
+                       part: tuple[int, int] | None = None) -> Solved:
     """Quantize Linears that read one input (q/k/v, gate/up) from its statistics. GPTQ
     solves them as one weight stacked along the outputs: its rows are independent given
-    the shared Hessian, so one factorisation and one column loop serve them all."""
+    the shared Hessian, so one factorisation and one column loop serve them all.
+    part=(k, n): GPTQ solves only the k-th of n slices of those rows (rows_split), and the
+    result holds that slice alone (gather_rows joins the slices)."""
     args = step.scheme.weights
     weights = [linear.weight.detach() for linear in linears.values()]
     note, seconds = None, 0.0
     if isinstance(step, GPTQStep):
+        W = torch.cat(weights)  # [out_total, in]
+        if part is not None:
+            k, n = part
+            W = W[W.shape[0] * k // n: W.shape[0] * (k + 1) // n]
         start = time.perf_counter()
         result = gptq(
-            torch.cat(weights), stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
+            W, stats["hessian"], args, scale_dtype=report.checkpoint_dtype,
             block_size=step.block_size, damp=step.damp, actorder=step.actorder, scales=step.scales,
             observer=step.observer,
         )
         seconds = time.perf_counter() - start
-        parts = split_rows(result.weight, [w.shape[0] for w in weights])
+        parts = [result.weight] if part is not None else split_rows(result.weight, [w.shape[0] for w in weights])
         how = "gptq" if result.fallback is None else "rtn (fallback)"
         if result.fallback:
             note = f"{', '.join(linears)}: GPTQ fell back to RTN: {result.fallback}"
@@ -87,6 +100,19 @@ def install(model, linears: dict[str, nn.Linear], solved: Solved, step: WeightSt
         report.layers[name] = solved.how
         modules[name] = replace_linear(model, name, linear, qw, step, solved.input_scale)
     return modules
+
+
+def gather_rows(slices: list[Solved], rows: list[int]) -> Solved:
+    """The Solved of a whole stage from its row slices, in order (each solved by one process
+    with part=(k, n)); rows: each Linear's output rows."""
+    first = slices[0]
+
+    def joined(field: str) -> torch.Tensor | None:
+        tensors = [getattr(s.parts[0], field) for s in slices]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    whole = first.parts[0].with_(q=joined("q"), scale=joined("scale"), zero=joined("zero"))
+    return Solved(split_rows(whole, rows), first.how, first.note, first.input_scale, max(s.seconds for s in slices))
 
 
 def split_rows(qw: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
