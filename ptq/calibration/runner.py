@@ -63,20 +63,28 @@ def run_until_stopped(module: nn.Module, *args, **kwargs) -> None:
         pass
 
 
-class _Recorder(nn.Module):
-    """Stands in for a block while its arguments are captured: records them and passes the
-    hidden states through (the last one ends the pass). Attributes the model's loop reads
-    from a block (Gemma 3's attention_type) come from the block it stands in for."""
+class StandIn(nn.Module):
+    """Takes a block's place in the model's loop for a pass; attributes the loop reads from
+    a block (Gemma 3's attention_type) come from the block it stands in for."""
 
-    def __init__(self, block: nn.Module, calls: list, first: bool, last: bool, store: torch.device):
+    def __init__(self, block: nn.Module):
         super().__init__()
-        self.block, self.calls, self.first, self.last, self.store = block, calls, first, last, store
+        self.block = block
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("block"), name)
+
+
+class _Recorder(StandIn):
+    """Stands in for a block while its arguments are captured: records them and passes the
+    hidden states through (the last one ends the pass)."""
+
+    def __init__(self, block: nn.Module, calls: list, first: bool, last: bool, store: torch.device):
+        super().__init__(block)
+        self.calls, self.first, self.last, self.store = calls, first, last, store
 
     def forward(self, *args, **kwargs):
         hidden = _hidden_of(args, kwargs)
