@@ -13,11 +13,20 @@ import torch
 from torch import nn
 
 from ptq import moe
-from ptq.algorithms.awq import apply_awq_, apply_clip_, awq_clip_search, awq_search, make_module_loss
+from ptq.algorithms.awq import (
+    LossSums,
+    apply_awq_,
+    apply_clip_,
+    awq_clip_search,
+    awq_search,
+    make_linear_loss,
+    make_module_loss,
+)
 from ptq.algorithms.smoothquant import apply_smoothing_, smoothquant_scales
 from ptq.arch import ResolvedMapping, block_mappings
-from ptq.calibration.observers import AbsMaxObserver, MeanAbsObserver
+from ptq.calibration.observers import AbsMaxObserver, HessianObserver, MeanAbsObserver
 from ptq.calibration.runner import BlockRun
+from ptq.distributed import all_reduce_, is_main, share_from
 from ptq.recipe import AWQStep, SmoothQuantStep, TransformStep
 from ptq.schemes import QuantArgs
 
@@ -59,34 +68,73 @@ def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQu
 def _awq_(
     run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype
 ) -> dict[str, str]:
-    inspect_inputs: dict[int, list] = {i: [] for i in range(len(mappings))}
-    handles = [
-        m.inspect.register_forward_pre_hook(
-            lambda _m, a, kw, i=i: inspect_inputs[i].append((a, kw)), with_kwargs=True
-        )
-        for i, m in enumerate(mappings)
-    ]
+    inspected = _InspectedInputs(mappings)
     try:
         observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
     finally:
-        for handle in handles:
-            handle.remove()
+        inspected.remove()
     done = {}
     for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
-        loss = make_module_loss(m.inspect, m.balance, inspect_inputs[i], args=args, scale_dtype=scale_dtype)
+        losses = inspected.loss(i, args, scale_dtype)
         x_mean = observers[m.mapping.balance[0]].value
-        result = awq_search(x_mean, [b.weight for b in m.balance], loss, args=args, n_grid=step.n_grid,
+        result = awq_search(x_mean, [b.weight for b in m.balance], losses, args=args, n_grid=step.n_grid,
                             duo_scaling=step.duo_scaling)
         apply_awq_(m.smooth, m.balance, result.scales, rows=m.rows, weight_offset=m.weight_offset)
         ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
         done[m.mapping.describe()] = f"awq ratio {ratio}, output error -{100 * gain:.0f}%"
         if step.clip:
-            # smoothed now, as the weights are; a routed expert sees every token of the batch
-            with moe.all_experts(run.block):
-                inputs = run.first_input(m.balance[0]).float()
-            inputs = inputs.reshape(-1, inputs.shape[-1])
-            for name, linear in zip(m.mapping.balance, m.balance):
-                if not name.endswith(NO_CLIP):
-                    apply_clip_(linear, awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype))
+            _clip_(run, m, args, scale_dtype)
     return done
+
+
+def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torch.dtype) -> None:
+    """AWQ's clipping of the mapping's balance Linears, searched on the first calibration
+    batch: process 0's, whose ranges every process applies (ptq.distributed)."""
+    inputs = None
+    if is_main():  # smoothed now, as the weights are; a routed expert sees every token of the batch
+        with moe.all_experts(run.block):
+            inputs = run.first_input(m.balance[0]).float()
+        inputs = inputs.reshape(-1, inputs.shape[-1])  # [tokens, in]
+    for name, linear in zip(m.mapping.balance, m.balance):
+        if not name.endswith(NO_CLIP):
+            found = awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype) if is_main() else None
+            apply_clip_(linear, share_from(found, 0))
+
+
+class _InspectedInputs:
+    """What each mapping's loss needs of its inspected module's inputs, gathered by forward
+    pre-hooks during the statistics pass: the Gram matrix Σ x xᵀ where the inspected module
+    is the one balance Linear (ptq.algorithms.awq.make_linear_loss), else the cached
+    (args, kwargs) of every batch (make_module_loss)."""
+
+    def __init__(self, mappings: list[ResolvedMapping]) -> None:
+        self.mappings = mappings
+        self.grams: dict[int, HessianObserver] = {}
+        self.calls: dict[int, list] = {}
+        self.handles = []
+        for i, m in enumerate(mappings):
+            if len(m.balance) == 1 and m.inspect is m.balance[0]:
+                self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
+                hook = lambda _m, a, kw, o=self.grams[i]: o.update(a[0])  # noqa: E731
+            else:
+                self.calls[i] = []
+                hook = lambda _m, a, kw, c=self.calls[i]: c.append((a, kw))  # noqa: E731
+            self.handles.append(m.inspect.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def loss(self, i: int, args: QuantArgs, scale_dtype: torch.dtype) -> LossSums:
+        """The mapping's loss sums over the samples of every process (ptq.distributed): the
+        module losses of each process's own samples are summed; the Gram matrix is already
+        every process's (HessianObserver.value combines them, and counts their tokens)."""
+        m = self.mappings[i]
+        if i in self.calls:
+            local = make_module_loss(m.inspect, m.balance, self.calls.pop(i), args=args, scale_dtype=scale_dtype)
+            return lambda scales: all_reduce_(local(scales))
+        observer = self.grams.pop(i)
+        H = observer.value if observer.tokens else torch.zeros(m.channels, m.channels)  # [in, in]
+        gram = H * (observer.tokens / 2)  # Σ x xᵀ
+        return make_linear_loss(m.balance[0].weight, gram, observer.tokens, args=args, scale_dtype=scale_dtype)

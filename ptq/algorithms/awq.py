@@ -18,6 +18,15 @@ is tried too, so the search never picks scales worse than RTN on the calibration
 Optional clipping (llm-awq `auto_clip`) then shrinks each group's range where that lowers
 the group's output error.
 
+All 1 + n_grid candidates (1 + 2·n_grid with both grids) are fake-quantized in one call
+and scored by one loss call, which returns squared-error sums (LossSums). Where the
+inspected module is the balance Linear itself (o_proj, down_proj) the loss needs no
+forward pass: from the Gram matrix G = Σ x xᵀ of its inputs each candidate costs out·in²
+multiply-adds (`make_linear_loss`) instead of tokens·in·out. Other inspected modules
+(attention, MLP) take one forward pass of every cached batch per candidate
+(`make_module_loss`): tokens·(that module's FLOPs per token) per candidate, by far the
+largest cost of the search.
+
 Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
 `apply_awq_` and `apply_clip_` change modules in place. All arithmetic is float32 and
 follows the inputs' device.
@@ -47,8 +56,8 @@ class AWQResult:
 
     scales: Tensor  # [in] float32, multiply the balance Linears' columns, divide the smooth op
     ratio: float | None  # r of the best grid point; None when s = 1 (plain RTN) was best
-    loss: float  # loss(scales)
-    baseline_loss: float  # loss(ones): plain RTN
+    loss: float  # mean squared output error with these scales
+    baseline_loss: float  # the same with s = 1: plain RTN
     duo_scaling: bool  # whether the best grid point used w̄ (meaningless when ratio is None)
 
 
@@ -78,11 +87,32 @@ def grid_scales(x_mean: Tensor, w_mean: Tensor | None, ratio: float) -> Tensor:
     return scales.clamp(min=MIN_SCALE)
 
 
+LossSums = Callable[[Tensor], Tensor]
+"""loss(scales [candidates, in]) -> float32 [candidates + 1]: each candidate's summed squared
+output error, then the number of elements summed. Sums, so that processes calibrating on
+shares of the samples add them (ptq.distributed.all_reduce_) and all choose alike."""
+
+CANDIDATE_ELEMENTS = 1 << 25  # candidate weights [c, out, in] held at once: 128 MiB of float32
+GEMM_CHUNK = 512  # terms per GEMM sum: up to 512 the result is the same for every thread count
+
+
+def grid_candidates(
+    x_mean: Tensor, w_mean: Tensor, n_grid: int, duo_scaling: bool | Literal["both"]
+) -> tuple[Tensor, list[tuple[float | None, bool]]]:
+    """Every scale tried, [1 + grids·n_grid, in]: s = 1 (plain RTN) first, then each grid's
+    ratios i / n_grid in order; and (ratio, duo) of each row (ratio None for s = 1)."""
+    grids = {True: (True,), False: (False,), "both": (True, False)}[duo_scaling]
+    labels: list[tuple[float | None, bool]] = [(None, False)]
+    labels += [(i / n_grid, duo) for duo in grids for i in range(n_grid)]
+    rows = [torch.ones_like(x_mean)] + [grid_scales(x_mean, w_mean if duo else None, r) for r, duo in labels[1:]]
+    return torch.stack(rows), labels  # [candidates, in]
+
+
 @torch.no_grad()
 def awq_search(
     x_mean: Tensor,
     weights: Sequence[Tensor],
-    loss: Callable[[Tensor], float],
+    loss: LossSums,
     *,
     args: QuantArgs,
     n_grid: int = 20,
@@ -90,9 +120,10 @@ def awq_search(
 ) -> AWQResult:
     """Grid-search AWQ scales for balance weights [out_i, in] fed by activations with mean|x| [in].
 
-    loss(s) returns the error of the inspected module when its balance weights are scaled by
-    s and fake-quantized with args (see `make_module_loss`). duo_scaling=True uses
-    x̄^r / w̄^(1−r), False x̄^r, "both" searches both grids (2·n_grid evaluations). Non-finite
+    loss(S) gives the squared-error sums of the inspected module for each candidate scale
+    in S (see LossSums, `make_module_loss`, `make_linear_loss`), all candidates in one call.
+    duo_scaling=True uses x̄^r / w̄^(1−r), False x̄^r, "both" searches both grids
+    (1 + 2·n_grid candidates). The first smallest loss wins (s = 1 on a tie). Non-finite
     losses (an fp16 overflow in the module) never win; PtqError if no loss is finite.
     """
     if n_grid < 1:
@@ -102,28 +133,66 @@ def awq_search(
     if w_mean.shape != x_mean.shape:
         raise ValueError(f"x_mean has {x_mean.numel()} channels, the weights have {w_mean.numel()} columns")
 
-    ones = torch.ones_like(x_mean)
-    baseline = _finite(loss(ones))
-    best = AWQResult(ones, None, baseline, baseline, False)
-    grids = {True: (True,), False: (False,), "both": (True, False)}[duo_scaling]
-    for duo in grids:
-        for i in range(n_grid):
-            ratio = i / n_grid
-            scales = grid_scales(x_mean, w_mean if duo else None, ratio)
-            value = _finite(loss(scales))
-            if value < best.loss:
-                best = AWQResult(scales, ratio, value, baseline, duo)
-    if best.loss == float("inf"):
+    scales, labels = grid_candidates(x_mean, w_mean, n_grid, duo_scaling)  # [candidates, in]
+    sums = loss(scales).double()  # [candidates + 1]
+    mse = sums[:-1] / max(float(sums[-1]), 1.0)  # [candidates]
+    mse = torch.where(torch.isfinite(mse), mse, torch.full_like(mse, float("inf")))
+    best = int(torch.argmin(mse))  # the first of equal minima
+    if mse[best] == float("inf"):
         raise PtqError(
             "AWQ found no finite loss: the inspected module gives NaN/Inf on the calibration "
             "inputs (an fp16 overflow?); load the model in bfloat16 or float32"
         )
-    return best
+    ratio, duo = labels[best]
+    return AWQResult(scales[best], ratio, float(mse[best]), float(mse[0]), duo)
 
 
-def _finite(value: float) -> float:
-    value = float(value)
-    return value if value == value and value != float("inf") else float("inf")
+def candidate_weights(W: Tensor, scales: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> Tensor:
+    """Q(W·diag(s))·diag(1/s) for each candidate s, rounded to W's dtype, in float32:
+    [candidates, out, in] from W [out, in] and scales [candidates, in]. Group and channel
+    schemes quantize the rows of all candidates in one call (their rows are independent)."""
+    W = W.detach()
+    s = scales.to(device=W.device, dtype=torch.float32).unsqueeze(1)  # [c, 1, in]
+    scaled = W.float() * s  # [c, out, in]
+    if args.strategy in ("group", "channel"):
+        q = fake_quantize(scaled.view(-1, W.shape[1]), args, scale_dtype).view_as(scaled)
+    else:  # one range over the whole tensor: each candidate on its own
+        q = torch.stack([fake_quantize(one, args, scale_dtype) for one in scaled])
+    return (q / s).to(W.dtype).float()  # [c, out, in]
+
+
+def _chunks(scales: Tensor, weight_elements: int) -> tuple[Tensor, ...]:
+    """scales [candidates, in] in pieces whose candidate weights fit CANDIDATE_ELEMENTS."""
+    return scales.split(max(1, CANDIDATE_ELEMENTS // max(1, weight_elements)))
+
+
+def make_linear_loss(W: Tensor, gram: Tensor, tokens: int, *, args: QuantArgs,
+                     scale_dtype: torch.dtype = torch.float32) -> LossSums:
+    """Loss sums of a balance Linear inspected by itself (o_proj, down_proj), from its inputs'
+    Gram matrix gram = Σ x xᵀ [in, in] (float32, over `tokens` tokens).
+
+    The output error of a candidate is X·ΔWᵀ (the bias cancels), so its squared sum is
+    tr(ΔW·G·ΔWᵀ), ΔW = candidate weight − W: out·in² multiply-adds per candidate instead of
+    tokens·in·out, in float32 GEMMs whose sums are split at GEMM_CHUNK terms (the same bits
+    for every thread count), each candidate's total summed in float64.
+    """
+    out_features, in_features = W.shape
+    G = gram.to(device=W.device, dtype=torch.float32)  # [in, in]
+    W32 = W.detach().float()  # [out, in]
+
+    @torch.no_grad()
+    def loss(scales: Tensor) -> Tensor:
+        sums = []
+        for part in _chunks(scales, W.numel()):
+            dW = (candidate_weights(W, part, args, scale_dtype) - W32).view(-1, in_features)  # [c·out, in]
+            dWG = torch.zeros_like(dW)  # [c·out, in]
+            for a in range(0, in_features, GEMM_CHUNK):
+                dWG.addmm_(dW[:, a:a + GEMM_CHUNK], G[a:a + GEMM_CHUNK])
+            sums.append(dWG.mul_(dW).view(len(part), -1).double().sum(dim=1))  # [c]
+        count = torch.tensor([float(tokens * out_features)], dtype=torch.float64, device=W.device)
+        return torch.cat(sums + [count]).float()  # [candidates + 1]
+
+    return loss
 
 
 def make_module_loss(
@@ -134,31 +203,39 @@ def make_module_loss(
     *,
     args: QuantArgs,
     scale_dtype: torch.dtype = torch.float32,
-) -> Callable[[Tensor], float]:
-    """loss(s): MSE of module's output when each balance weight W is Q(W·diag(s))·diag(1/s).
+) -> LossSums:
+    """Loss sums of any inspected module: its output error when each balance weight W is
+    Q(W·diag(s))·diag(1/s), one forward pass of every cached batch per candidate.
 
     inputs are the cached (args, kwargs) of each calibration batch reaching `module`;
     reference_outputs its full-precision outputs for them (computed now when None). A tuple
     output counts by its first element. The weights are swapped only during a call and
     restored (the very same tensors) even if the forward raises. Q rounds its scales to
-    scale_dtype, as the checkpoint will; the error is summed in float32.
+    scale_dtype, as the checkpoint will; each row's error is summed in float32, the rows in
+    float64.
     """
     if reference_outputs is None:
         reference_outputs = _run(module, inputs)
     reference = list(reference_outputs)
+    count = sum(ref.numel() for ref in reference)
+    elements = sum(linear.weight.numel() for linear in balance)
 
     @torch.no_grad()
-    def loss(scales: Tensor) -> float:
+    def loss(scales: Tensor) -> Tensor:
         originals = [linear.weight.data for linear in balance]
+        sums = []
         try:
-            for linear, W in zip(balance, originals):
-                s = scales.to(device=W.device, dtype=torch.float32).view(1, -1)  # [1, in]
-                linear.weight.data = (fake_quantize(W.float() * s, args, scale_dtype) / s).to(W.dtype)
-            outputs = _run(module, inputs)
+            for part in _chunks(scales, elements):
+                candidates = [candidate_weights(W, part, args, scale_dtype).to(W.dtype) for W in originals]
+                for c in range(len(part)):
+                    for linear, Wc in zip(balance, candidates):
+                        linear.weight.data = Wc[c]  # [out, in]
+                    sums.append(_squared_error(reference, _run(module, inputs)))
         finally:
             for linear, W in zip(balance, originals):
                 linear.weight.data = W
-        return _mse(reference, outputs)
+        device = scales.device if not reference else reference[0].device
+        return torch.tensor(sums + [float(count)], dtype=torch.float64, device=device).float()
 
     return loss
 
@@ -172,12 +249,13 @@ def _run(module: nn.Module, inputs: Inputs) -> list[Tensor]:
     return outputs
 
 
-def _mse(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:
-    total, count = 0.0, 0
+def _squared_error(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:
+    """Σ (out − ref)²: float32 within each row, the rows added in float64."""
+    total = 0.0
     for ref, out in zip(reference, outputs):
-        total += float((out.float() - ref.float().to(out.device)).pow(2).sum())
-        count += ref.numel()
-    return total / max(count, 1)
+        d = out.float().sub_(ref.to(out.device))  # [..., features]
+        total += float(d.square_().sum(dim=-1).double().sum())
+    return total
 
 
 def apply_awq_(

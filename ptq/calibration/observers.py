@@ -87,8 +87,8 @@ class HessianObserver(Observer):
         [in, in] matrix: they are large); the observer takes no batches after that."""
         if self._value is None:
             assert self.sum is not None, "no calibration batch reached this Linear"
-            tokens = all_reduce_count(self.tokens)  # the upper blocks of the ranks' sums add up
-            H = all_reduce_(self.sum).mul_(2.0 / tokens)
+            self.tokens = all_reduce_count(self.tokens)  # now of every process: their sums add up
+            H = all_reduce_(self.sum).mul_(2.0 / self.tokens)
             edges = self._edges(H.shape[0])
             for a, b in zip(edges[1:-1], edges[2:]):
                 H[a:b, :a] = H[:a, a:b].t()

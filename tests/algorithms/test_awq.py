@@ -54,17 +54,22 @@ def test_search_tries_the_grids_and_keeps_the_best():
     args = QuantArgs(num_bits=4, strategy="channel")
     tried = []
 
-    def loss(scales):  # smallest at r = 0.3 of the activation-only grid
+    def distance(scales):  # smallest at r = 0.3 of the activation-only grid
+        return (scales - grid_scales(x_mean, None, 0.3)).abs().sum(dim=-1)
+
+    def loss(scales):  # [candidates, in] -> sums [candidates + 1], one element each
         tried.append(scales.clone())
-        return float((scales - grid_scales(x_mean, None, 0.3)).abs().sum())
+        return torch.cat([distance(scales), torch.ones(1)])
 
     result = awq_search(x_mean, [W], loss, args=args, n_grid=10, duo_scaling="both")
-    assert len(tried) == 1 + 2 * 10  # identity, then the duo and activation-only grids
-    assert torch.equal(tried[0], torch.ones(4))
+    assert len(tried) == 1 and tried[0].shape == (1 + 2 * 10, 4)  # identity, then the duo and activation-only grids
+    assert torch.equal(tried[0][0], torch.ones(4))
+    assert torch.equal(tried[0][1 + 10 + 3], grid_scales(x_mean, None, 0.3))
     assert result.ratio == pytest.approx(0.3) and result.duo_scaling is False and result.loss == 0.0
-    assert result.baseline_loss == loss(torch.ones(4))
+    assert result.baseline_loss == float(distance(torch.ones(4)))
 
-    kept = awq_search(x_mean, [W], lambda s: float((s - 1).abs().sum()), args=args, n_grid=10)
+    kept = awq_search(x_mean, [W], lambda s: torch.cat([(s - 1).abs().sum(dim=-1), torch.ones(1)]), args=args,
+                      n_grid=10)
     assert kept.ratio is None and torch.equal(kept.scales, torch.ones(4))  # RTN was best
 
 
@@ -86,14 +91,15 @@ def test_search_is_finite_for_bf16_inputs_with_large_activations():
 def test_search_refuses_a_module_that_overflows():
     args = QuantArgs(num_bits=4, strategy="channel")
     with pytest.raises(PtqError, match="no finite loss"):
-        awq_search(torch.ones(8), [torch.ones(2, 8)], lambda s: float("nan"), args=args, n_grid=4)
+        awq_search(torch.ones(8), [torch.ones(2, 8)], lambda s: torch.full((len(s) + 1,), float("nan")), args=args,
+                   n_grid=4)
 
 
 def test_loss_restores_the_weights_even_when_the_forward_fails():
     linear = nn.Linear(32, 8)
     param, pointer, values = linear.weight, linear.weight.data_ptr(), linear.weight.detach().clone()
     loss = make_module_loss(linear, [linear], [((torch.randn(3, 32),), {})], args=W4G32)
-    assert loss(torch.ones(32)) > 0
+    assert loss(torch.ones(1, 32))[0] > 0
     assert linear.weight is param and param.data_ptr() == pointer and torch.equal(param, values)
     failing = make_module_loss(linear, [linear], [((torch.randn(3, 32),), {})], [torch.zeros(3, 8)], args=W4G32)
 
@@ -102,7 +108,7 @@ def test_loss_restores_the_weights_even_when_the_forward_fails():
 
     linear.register_forward_pre_hook(boom)
     with pytest.raises(RuntimeError, match="boom"):
-        failing(torch.full((32,), 2.0))
+        failing(torch.full((1, 32), 2.0))
     assert linear.weight is param and param.data_ptr() == pointer and torch.equal(param, values)
 
 
