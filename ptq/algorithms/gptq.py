@@ -173,46 +173,96 @@ def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str
     """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
 
     H is the reversed matrix J H J (J reverses the order; see _reversed_copy), a copy this
-    function may change. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
+    function may change and frees. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
     works. Rather than invert H and factor the inverse, it factors J H J = L Lᵀ; then
     H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and H⁻¹
     itself is never formed.
+
+    Memory: two [in, in] matrices at most (H and L; on down_proj's Hessian, 5632², 127 MB
+    each), one once L is computed. The Cholesky reads only H's lower triangle: it is kept
+    in L's empty upper triangle (for a retry with more dampening), H is freed, and L⁻¹ and
+    then U are formed in L's memory (_inverse_lower_, _flip_).
     """
     if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
-    diag = H.diagonal()  # [in], a view
-    base = diag.clone()
+    base = H.diagonal().clone()  # [in]
     mean = base.mean()
     if not bool(mean > 0):
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
+    cpu = H.device.type == "cpu"
     for lam in _damp_schedule(damp):
-        diag.copy_(base).add_(mean * lam)
+        H.diagonal().copy_(base).add_(mean * lam)
         # on one CPU thread: LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round
         # differently with the thread count, and GPTQ's rounding decisions amplify that
-        with cpu_threads(1) if H.device.type == "cpu" else contextlib.nullcontext():
+        with cpu_threads(1) if cpu else contextlib.nullcontext():
             L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
             if int(info) != 0:
                 continue
-            Linv = _inverse_lower(L)  # [in, in] lower
+            _lower_into_upper_(H, L)
+            del H  # the caller's copy: its lower triangle lives on in L's upper one
+            finite = _inverse_lower_(L)
+        if finite:
+            return _flip_(L.tril_()), lam, None  # [in, in] upper
+        H = _restored(L)
         del L
-        Hinv = Linv.flip((0, 1))  # [in, in] upper
-        del Linv
-        if bool(torch.isfinite(Hinv.sum())):
-            return Hinv, lam, None
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 
-def _inverse_lower(L: Tensor, block: int = 512) -> Tensor:
-    """L⁻¹ for lower-triangular L [n, n], solved a block of columns at a time so that the
-    zeros above the diagonal cost nothing."""
+def _lower_into_upper_(A: Tensor, B: Tensor, rows: int = 512) -> Tensor:
+    """B's strict upper triangle = A's strict lower triangle, transposed ([n, n] both);
+    B's other entries stay. Returns B. Row blocks of A at a time (no [n, n] temporary)."""
+    n = A.shape[0]
+    Bt = B.t()  # [n, n] view: its strict lower triangle is B's strict upper one
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        Bt[r0:r1, :r0] = A[r0:r1, :r0]
+        below = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=A.device).tril_(-1)  # [rows, rows]
+        Bt[r0:r1, r0:r1] = torch.where(below, A[r0:r1, r0:r1], Bt[r0:r1, r0:r1])
+    return B
+
+
+def _restored(L: Tensor) -> Tensor:
+    """The matrix whose strict lower triangle L's strict upper one keeps (transposed, by
+    _inverse_cholesky), mirrored into its upper triangle; its diagonal is left to set."""
+    H = torch.empty_like(L, memory_format=torch.contiguous_format)  # [n, n]
+    _lower_into_upper_(L.t(), H)  # H's strict upper = L's: the kept lower triangle, transposed
+    _lower_into_upper_(H.t(), H.t())  # H's strict lower = its strict upper, transposed
+    return H
+
+
+def _inverse_lower_(L: Tensor, block: int = 512) -> bool:
+    """Replace the lower triangle (diagonal included) of L [n, n], lower triangular, with
+    that of L⁻¹, solved a block of columns at a time so that the zeros above the diagonal
+    cost nothing; L's strict upper triangle is neither read nor changed. Block k0 reads
+    only L[k0:, k0:], so its solution L⁻¹[k0:, k0:k1] overwrites columns no later block
+    reads. Returns whether every entry of L⁻¹ is finite."""
     n = L.shape[0]
-    Linv = torch.zeros_like(L)  # [n, n]
+    finite = True
     for k0 in range(0, n, block):
         k1 = min(k0 + block, n)
         eye = torch.zeros(n - k0, k1 - k0, dtype=L.dtype, device=L.device)  # [n - k0, block]
         eye.diagonal().fill_(1)
-        Linv[k0:, k0:k1] = torch.linalg.solve_triangular(L[k0:, k0:], eye, upper=False)
-    return Linv
+        X = torch.linalg.solve_triangular(L[k0:, k0:], eye, upper=False)  # [n - k0, block]
+        finite = finite and bool(torch.isfinite(X).all())
+        L[k1:, k0:k1] = X[k1 - k0 :]
+        top = L[k0:k1, k0:k1]  # [block, block]: its strict upper triangle is not L's
+        top.copy_(torch.where(torch.ones_like(top, dtype=torch.bool).tril_(), X[: k1 - k0], top))
+    return finite
+
+
+def _flip_(A: Tensor, chunk: int = 1 << 20) -> Tensor:
+    """A.flip((0, 1)) in A's memory (returned), A [n, n] dense in either layout: reversing
+    both axes reverses the storage, swapped a chunk of elements at a time. The same
+    values and strides as flip's copy, without the copy."""
+    flat = A.t().reshape(-1) if A.stride(0) == 1 else A.view(-1)  # A's storage, in order
+    assert flat.data_ptr() == A.data_ptr() and flat.numel() == A.numel(), "A must be dense"
+    total = flat.numel()
+    for a in range(0, total // 2, chunk):
+        b = min(a + chunk, total // 2)
+        front = flat[a:b].clone()
+        flat[a:b] = flat[total - b : total - a].flip(0)
+        flat[total - b : total - a] = front.flip(0)
+    return A
 
 
 def _fallback(
@@ -236,8 +286,9 @@ def _fallback(
 
 def _transposed_copy(W: Tensor, perm: Tensor | None) -> Tensor:
     """A float32 copy of W [out, in] as [in, out] with rows in processing order."""
-    Wt = W.detach().t().contiguous()  # [in, out] (may still be W itself)
-    Wt = Wt.index_select(0, perm) if perm is not None else Wt.clone()
+    Wt = W.detach().t()  # [in, out], a view
+    # one copy in W's dtype, then float32 (no copy when W is float32: hence the clone)
+    Wt = Wt.index_select(0, perm) if perm is not None else Wt.clone(memory_format=torch.contiguous_format)
     return Wt.float()
 
 
@@ -354,22 +405,30 @@ def _solve(
         first = {p: g for g, p in enumerate(members[:, 0].tolist())}
     group_of = group.tolist()
     W_rows, Q_rows = Wt.unbind(0), Qt.unbind(0)  # [out] views, made once
+    # On a CPU the column loop runs on one thread and only the lazy block updates (GEMMs)
+    # on all: the loop's ops are small (a column, a group), and on more threads each pays
+    # an OpenMP fork and join, on a busy CPU a wait for a descheduled thread (issue 15: the
+    # solves on SmolLM2's shapes took half the time). The codes are the same at any count.
+    cpu = device.type == "cpu"
+    threads = torch.get_num_threads()
 
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
-        Hinv1 = Hinv[i1:i2, i1:i2]  # [block, block]
-        H_rows, pivots = Hinv1.unbind(0), Hinv1.diagonal().tolist()
-        E = Err1[: i2 - i1].zero_()  # [block, out]
-        E_rows = E.unbind(0)
-        for i in range(i2 - i1):
-            p = i1 + i
-            g = first.get(p)
-            if g is not None:
-                grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]), members_dev[g])
-            w = W_rows[p]  # [out]
-            q = grid.round_column(w, group_of[p], Q_rows[p])  # [out], dequantized
-            err1 = torch.sub(w, q, out=E_rows[i]).div_(pivots[i])
-            Wt[p + 1 : i2].addr_(H_rows[i][i + 1 :], err1, alpha=-1)
-        loss += E.square().sum() / 2
-        Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+    with cpu_threads(1) if cpu else contextlib.nullcontext():
+        for i1 in range(0, cols, block_size):
+            i2 = min(i1 + block_size, cols)
+            Hinv1 = Hinv[i1:i2, i1:i2]  # [block, block]
+            H_rows, pivots = Hinv1.unbind(0), Hinv1.diagonal().tolist()
+            E = Err1[: i2 - i1].zero_()  # [block, out]
+            E_rows = E.unbind(0)
+            for i in range(i2 - i1):
+                p = i1 + i
+                g = first.get(p)
+                if g is not None:
+                    grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]), members_dev[g])
+                w = W_rows[p]  # [out]
+                q = grid.round_column(w, group_of[p], Q_rows[p])  # [out], dequantized
+                err1 = torch.sub(w, q, out=E_rows[i]).div_(pivots[i])
+                Wt[p + 1 : i2].addr_(H_rows[i][i + 1 :], err1, alpha=-1)
+            loss += E.square().sum() / 2
+            with cpu_threads(threads) if cpu else contextlib.nullcontext():
+                Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
     return Qt, loss
