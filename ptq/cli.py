@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--no-eval", action="store_true", help="skip the before/after quality evaluation")
     q.add_argument("--stream", action="store_true",
                    help="read a local model folder's safetensors one block at a time and write each block as it is "
-                        "done, never holding the whole model (with --no-eval; no --resume, KV cache or MoE yet)")
+                        "done, never holding the whole model (evaluation streamed too; no --resume, KV cache or MoE yet)")
     q.add_argument("--report-json", default=None, help="also write the summary's numbers to this JSON file")
     q.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
                    help="then upload the checkpoint to this Hugging Face Hub repo (token: HF_TOKEN or `hf auth login`)")

@@ -117,8 +117,6 @@ def check_stream(args, source: Path | None, recipe) -> None:
 
     if source is None or not weight_files(source):
         raise PtqError("--stream reads a local model folder of safetensors; give --model DIR (or drop --stream)")
-    if not args.no_eval:
-        raise PtqError("--stream does not evaluate yet (the comparison needs the model in memory); add --no-eval")
     if args.resume:
         raise PtqError("--stream cannot --resume yet; run it again from the start, or drop --stream")
     if args.format != "compressed-tensors":
@@ -129,13 +127,19 @@ def check_stream(args, source: Path | None, recipe) -> None:
 
 
 def quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tuple:
-    """--stream: ptq.streaming.quantize_streamed into the staging folder, then the rest of the checkpoint."""
+    """--stream: ptq.streaming.quantize_streamed into the staging folder, then the rest of the
+    checkpoint. With evaluation, as quantize_and_write evaluates, the model never in memory:
+    the original's logits streamed from the source folder first, the quantized model's from
+    the weights just written (ptq.streaming.streamed_logits); the same numbers."""
+    import ptq
+    from ptq.calibration.data import load_texts
     from ptq.checkpoint.writer import write_checkpoint
+    from ptq.evaluate import check_windows, evaluate_logits
     from ptq.export.card import CardFacts
     from ptq.models import check_model_folder, load_tokenizer
     from ptq.pipeline import select_linears
     from ptq.report import size_of
-    from ptq.streaming import meta_model, quantize_streamed
+    from ptq.streaming import meta_model, quantize_streamed, streamed_logits, streamed_reference_logits
 
     check_model_folder(source, args.model or "builtin", trust_remote_code=args.trust_remote_code)
     tokenizer = load_tokenizer(source, trust_remote_code=args.trust_remote_code)
@@ -143,15 +147,30 @@ def quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tup
     names = list(select_linears(model, recipe.weight_step)) if recipe.weight_step is not None else []
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
+    windows = reference = quality = None
+    if not args.no_eval:
+        texts = load_texts(args.eval_text)
+        windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
+        check_windows(model, windows)  # before the work, not after it
+        reference = streamed_reference_logits(source, windows, slot.work / "reference-logits",
+                                              compute_dtype_for(device, dtype), device=device)
     staging = slot.new_staging()
-    model, shards = quantize_streamed(source, recipe, staging, tokenizer=tokenizer, device=device, model=model)
+    try:
+        model, shards = quantize_streamed(source, recipe, staging, tokenizer=tokenizer, device=device, model=model)
+        if reference is not None:
+            shards.finish()  # the weights' files, read back one block at a time
+            logits = streamed_logits(model, staging, windows, device=device, show_progress=True)
+            quality = evaluate_logits(logits, windows, reference=reference)
+    finally:
+        if reference is not None:
+            reference.remove()
     report = model.ptq_report
     after = size_of(model, report.checkpoint_dtype, names)
-    card = CardFacts(name=slot.target.name, before=before, after=after, quality=None, eval_text=args.eval_text,
+    card = CardFacts(name=slot.target.name, before=before, after=after, quality=quality, eval_text=args.eval_text,
                      kv_budget_gb=args.kv_budget_gb)
     write_checkpoint(model, staging, tokenizer=tokenizer, card=card, shards=shards)
     slot.publish()
-    return names, before, after, None, report, None
+    return names, before, after, quality, report, None
 
 
 def _reference_logits(model, windows, folder: Path, compute_dtype: torch.dtype):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,11 @@ def _logits(model: nn.Module, batch: Tensor, first_window: int, whose: str = "th
     """Logits [b, seq, vocab] on the CPU in the dtype the model computed them in (float32
     holds each exactly); refused if any is NaN or Inf."""
     device = next(model.parameters()).device
-    logits = model(input_ids=batch.to(device), use_cache=False).logits.cpu()
+    return checked_logits(model(input_ids=batch.to(device), use_cache=False).logits.cpu(), first_window, whose)
+
+
+def checked_logits(logits: Tensor, first_window: int, whose: str = "the model's") -> Tensor:
+    """logits [b, seq, vocab] of windows first_window.., refused if any is NaN or Inf."""
     broken = ~torch.isfinite(logits).flatten(1).all(dim=1)  # [b]
     if broken.any():
         window = first_window + int(broken.nonzero()[0]) + 1
@@ -131,17 +136,26 @@ def reference_logits(
     if batch_size < 1:
         raise PtqError(f"evaluation batch_size is {batch_size}; it must be at least 1")
     check_windows(reference, windows)
+    batches = tqdm(windows.split(batch_size), desc="evaluate reference", unit="batch", disable=not show_progress)
+    logits = (_logits(reference, batch, i * batch_size, "the reference model's") for i, batch in enumerate(batches))
+    return store_logits(logits, windows, folder, batch_size, _vocab_size(reference))
+
+
+def store_logits(
+    logits: Iterable[Tensor], windows: Tensor, folder: str | Path, batch_size: int, vocab_size: int | None
+) -> ReferenceLogits:
+    """Keep a reference's logits, given batch by batch ([b, seq, vocab] for windows.split(batch_size)),
+    in a new folder: reference_logits for a model computed otherwise (ptq.streaming.streamed_logits).
+    A failure leaves no folder behind."""
     folder = Path(folder)
     folder.mkdir(parents=True)
     try:
-        batches = tqdm(windows.split(batch_size), desc="evaluate reference", unit="batch", disable=not show_progress)
-        for i, batch in enumerate(batches):
-            logits = _logits(reference, batch, i * batch_size, "the reference model's")
-            save_file({"logits": logits.contiguous()}, folder / f"{i:06d}.safetensors")
+        for i, batch_logits in enumerate(logits):
+            save_file({"logits": batch_logits.contiguous()}, folder / f"{i:06d}.safetensors")
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return ReferenceLogits(folder, windows.clone(), batch_size, _vocab_size(reference))
+    return ReferenceLogits(folder, windows.clone(), batch_size, vocab_size)
 
 
 @torch.no_grad()
@@ -160,25 +174,62 @@ def evaluate(
     check_windows(model, windows, reference)
     if isinstance(reference, ReferenceLogits):
         reference.check(windows, batch_size)
-    nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
+    tally = _Tally(windows.shape[1])
     batches = tqdm(windows.split(batch_size), desc="evaluate", unit="batch", disable=not show_progress)
     for i, batch in enumerate(batches):
-        logp = F.log_softmax(_logits(model, batch, i * batch_size).float()[:, :-1], dim=-1)  # [b, seq-1, vocab]
-        targets = batch[:, 1:]
-        nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
-        count += targets.numel()
+        ref_logits = None
         if reference is not None:
             ref_logits = reference.batch(i) if isinstance(reference, ReferenceLogits) \
                 else _logits(reference, batch, i * batch_size, "the reference model's")
+        tally.add(batch, _logits(model, batch, i * batch_size), ref_logits)
+        del ref_logits
+    return tally.result()
+
+
+def evaluate_logits(
+    logits: Iterable[Tensor], windows: Tensor, *, reference: ReferenceLogits | None = None, batch_size: int = 4
+) -> EvalResult:
+    """evaluate() for a model whose logits on windows.split(batch_size) are given batch by
+    batch (a model streamed from disk: ptq.streaming.streamed_logits): the same numbers."""
+    if reference is not None:
+        reference.check(windows, batch_size)
+    tally = _Tally(windows.shape[1])
+    logits = iter(logits)
+    for i, batch in enumerate(windows.split(batch_size)):
+        tally.add(batch, next(logits), None if reference is None else reference.batch(i))
+    assert next(logits, None) is None, "more batches of logits than windows"
+    return tally.result()
+
+
+class _Tally:
+    """The sums evaluate() adds up batch by batch, and the EvalResult they make."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.nll, self.ref_nll, self.kl, self.agree, self.count = 0.0, 0.0, 0.0, 0, 0
+        self.compared = False
+
+    def add(self, batch: Tensor, logits: Tensor, ref_logits: Tensor | None) -> None:
+        """batch [b, seq] token ids; logits and ref_logits [b, seq, vocab]."""
+        logp = F.log_softmax(logits.float()[:, :-1], dim=-1)  # [b, seq-1, vocab]
+        del logits  # handed over by the caller: freed before the reference's are expanded
+        targets = batch[:, 1:]
+        self.nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+        self.count += targets.numel()
+        if ref_logits is not None:
+            self.compared = True
             ref = F.log_softmax(ref_logits.float()[:, :-1], dim=-1)  # [b, seq-1, vocab]
-            ref_nll -= ref.gather(-1, targets.unsqueeze(-1)).sum().item()
-            kl += (ref.exp() * (ref - logp)).sum().item()
-            agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
-    return EvalResult(
-        perplexity=math.exp(nll / count),
-        tokens=count,
-        seq_len=windows.shape[1],
-        kl=kl / count if reference is not None else None,
-        top1=agree / count if reference is not None else None,
-        reference_perplexity=math.exp(ref_nll / count) if reference is not None else None,
-    )
+            self.ref_nll -= ref.gather(-1, targets.unsqueeze(-1)).sum().item()
+            self.kl += (ref - logp).mul_(ref.exp()).sum().item()  # in place: one [b, seq-1, vocab] less
+            self.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+
+    def result(self) -> EvalResult:
+        compared = self.compared
+        return EvalResult(
+            perplexity=math.exp(self.nll / self.count),
+            tokens=self.count,
+            seq_len=self.seq_len,
+            kl=self.kl / self.count if compared else None,
+            top1=self.agree / self.count if compared else None,
+            reference_perplexity=math.exp(self.ref_nll / self.count) if compared else None,
+        )

@@ -12,25 +12,54 @@ time at the end. The calibration activations stay in memory.
 
 The checkpoint holds the same tensors as the in-memory path's (names, dtypes, bytes) and
 the same config.json; only its split into shard files differs.
+
+streamed_logits evaluates such a model the same way: evaluation windows go through the
+blocks one block at a time, each read from the source folder (the original) or from the
+checkpoint just written (the quantized model: QuantLinears' tensors as stored), and give
+the logits the model in memory gives, bit for bit (`ptq quantize --stream` without
+--no-eval).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 
 from ptq import moe
 from ptq.arch import find_blocks
+from ptq.calibration.runner import StandIn
 from ptq.checkpoint.shards import ShardWriter
 from ptq.checkpoint.writer import DEFAULT_SHARD_BYTES, checkpoint_tensors
 from ptq.errors import PtqError
 from ptq.recipe import Recipe, load_recipe
 from ptq.safetensors_check import weight_files
 
+
+
+MMAP_THRESHOLD = 1 << 20  # bytes: glibc serves larger blocks with their own mapping
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def return_freed_memory() -> None:
+    """Have glibc's malloc give every freed block of MMAP_THRESHOLD or more straight back
+    to the OS, as MALLOC_MMAP_THRESHOLD_=1048576 would (a user's setting of it is kept).
+    By default glibc raises that threshold up to 32 MB as large blocks are freed, so that
+    the blocks a streamed run allocates and frees over and over (a block's weights, 127 MB
+    Hessians, activations) come from its heap and stay resident there: a 3-block Llama of
+    TinyLlama's width peaked at 1,399 MiB streamed with GPTQ, 1,158 MiB with the fixed
+    threshold. Results do not change; allocation of large blocks costs a page fault more."""
+    import ctypes
+    import platform
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return
+    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def meta_model(folder: Path) -> nn.Module:
@@ -56,8 +85,9 @@ class StreamedWeights:
     model to the compute dtype first), so that the module is the one an in-memory model
     would hold; tied parameters are loaded once and stay tied."""
 
-    def __init__(self, model: nn.Module, folder: Path, shards: ShardWriter, checkpoint_dtype: torch.dtype):
-        self.model, self.shards, self.dtype = model, shards, checkpoint_dtype
+    def __init__(self, model: nn.Module, folder: Path, shards: ShardWriter | None = None,
+                 checkpoint_dtype: torch.dtype | None = None):
+        self.model, self.folder, self.shards, self.dtype = model, folder, shards, checkpoint_dtype
         self.blocks_path, _ = find_blocks(model)
         self.files: dict[str, Path] = {}  # tensor name -> the file holding it
         for path in weight_files(folder):
@@ -72,17 +102,29 @@ class StreamedWeights:
         self.front: list[str] = []  # modules before the blocks, loaded for the capture
 
     def load(self, name: str) -> None:
-        """Read module `name`'s parameters from the files (one file open at a time)."""
+        """Read module `name`'s parameters from the files (one file open at a time), and its
+        persistent buffers on the meta device (a quantized checkpoint's: QuantLinears') as stored."""
         module = self.model.get_submodule(name)
-        wanted: dict[Path, list[nn.Parameter]] = {}
+        wanted: dict[Path, list[nn.Parameter | tuple[nn.Module, str, str]]] = {}
         for param in {id(p): p for p in module.parameters()}.values():
             if param.is_meta:
                 stored = self._stored_name(param)
                 wanted.setdefault(self.files[stored], []).append(param)
-        for path, params in wanted.items():
+        for sub_name, sub in module.named_modules(prefix=name):
+            for key, buffer in sub._buffers.items():
+                if buffer is not None and buffer.is_meta and key not in sub._non_persistent_buffers_set:
+                    stored = f"{sub_name}.{key}"
+                    if stored not in self.files:
+                        raise PtqError(f"tensor '{stored}' is not in the safetensors files of '{self.folder}'")
+                    wanted.setdefault(self.files[stored], []).append((sub, key, stored))
+        for path, entries in wanted.items():
             with safe_open(path, framework="pt") as f:
-                for param in params:
-                    self._assign(param, f.get_tensor(self._stored_name(param)))
+                for entry in entries:
+                    if isinstance(entry, nn.Parameter):
+                        self._assign(entry, f.get_tensor(self._stored_name(entry)))
+                    else:
+                        sub, key, stored = entry
+                        sub._buffers[key] = self._checked(stored, f.get_tensor(stored), sub._buffers[key].shape)
 
     def _stored_name(self, param: nn.Parameter) -> str:
         names = [name for _, _, name in self.owners[id(param)]]
@@ -94,14 +136,17 @@ class StreamedWeights:
 
     @torch.no_grad()
     def _assign(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
-        name = self.owners[id(param)][0][2]
-        if tensor.shape != param.shape:
-            raise PtqError(f"tensor '{name}' has shape {list(tensor.shape)} in the safetensors files; the config "
-                           f"implies {list(param.shape)}")
-        if tensor.is_floating_point() and not torch.isfinite(torch.stack(tensor.aminmax())).all():
-            raise PtqError(f"model weight '{name}' contains NaN or Inf; the source model is broken")
+        tensor = self._checked(self.owners[id(param)][0][2], tensor, param.shape)
         loaded = nn.Parameter(tensor.to(param.dtype), requires_grad=param.requires_grad)
         self._replace(param, loaded)
+
+    def _checked(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if tensor.shape != shape:
+            raise PtqError(f"tensor '{name}' has shape {list(tensor.shape)} in the safetensors files; the config "
+                           f"implies {list(shape)}")
+        if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(torch.stack(tensor.aminmax())).all():
+            raise PtqError(f"model weight '{name}' contains NaN or Inf; the source model is broken")
+        return tensor
 
     def _replace(self, old: nn.Parameter, new: nn.Parameter) -> None:
         owners = self.owners.pop(id(old))
@@ -113,6 +158,10 @@ class StreamedWeights:
         """Write module `name`'s checkpoint tensors and put its parameters back on the meta device."""
         self.shards.add(moe.checkpoint_tensors(self.model, checkpoint_tensors(self.model, self.dtype, under=name)))
         self.written.add(name)
+        self.free(name)
+
+    def free(self, name: str) -> None:
+        """Put module `name`'s parameters and persistent buffers back on the meta device."""
         for sub in self.model.get_submodule(name).modules():
             for key, param in list(sub._parameters.items()):
                 if param is None or param.is_meta:
@@ -183,6 +232,7 @@ def quantize_streamed(
 
     folder = Path(folder)
     recipe = load_recipe(recipe)
+    return_freed_memory()
     if recipe.kv_cache is not None:
         raise PtqError("streaming quantizes weights; a recipe with kv_cache needs the model in memory (drop --stream)")
     model = meta_model(folder) if model is None else model
@@ -198,3 +248,109 @@ def quantize_streamed(
 
 def _checkpoint_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+class _HandOver(StandIn):
+    """Stands in for a block while the head computes the logits (streamed_logits): passes
+    the hidden states through, or returns `output`, the last block's (already computed)."""
+
+    def __init__(self, block: nn.Module, output: torch.Tensor | None):
+        super().__init__(block)
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        if self.output is not None:
+            return self.output
+        return args[0] if args else kwargs["hidden_states"]
+
+
+def _outside_blocks(model: nn.Module, blocks_path: str) -> list[str]:
+    """The modules outside the block stack that hold parameters or persistent buffers."""
+    names = []
+    for name, module in model.named_modules():
+        if not name or name == blocks_path or name.startswith(blocks_path + "."):
+            continue
+        persistent = set(module._buffers) - module._non_persistent_buffers_set
+        buffers = [k for k in persistent if module._buffers[k] is not None]
+        if buffers or any(True for _ in module.parameters(recurse=False)):
+            names.append(name)
+    return names
+
+
+@torch.no_grad()
+def streamed_logits(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+    whose: str = "the model's",
+    show_progress: bool = False,
+) -> Iterator[torch.Tensor]:
+    """The logits [b, seq, vocab] of `model` (on the meta device, its weights in the
+    safetensors files in `folder`: the source model, or the checkpoint just written) on
+    windows.split(batch_size), batch by batch, on the CPU: those model(input_ids=batch)
+    gives, bit for bit, without the model in memory.
+
+    The windows go through the blocks one block at a time (each loaded, run on every batch,
+    freed), each batch with the arguments the model gives its blocks (captured as the
+    calibration captures them); then, for each batch, the model runs again with its blocks
+    replaced by stand-ins that hand over the last block's output, so that its own code
+    (final norm, head, any scaling) makes the logits. In memory: the modules outside the
+    blocks, one block, the hidden states of all windows and one batch's logits."""
+    from ptq.calibration.runner import _hidden, _with_hidden, capture_block_inputs
+    from ptq.evaluate import checked_logits
+
+    device = torch.device(device)
+    return_freed_memory()
+    weights = StreamedWeights(model, Path(folder))
+    blocks = model.get_submodule(weights.blocks_path)
+    outside = _outside_blocks(model, weights.blocks_path)
+    for name in outside:
+        weights.load(name)
+    try:
+        inputs, per_block = capture_block_inputs(model, blocks, windows, device, batch_size)
+        hidden = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+        inputs = [_with_hidden(args, kwargs, None) for args, kwargs in inputs]  # [batch]: the rest of block 0's
+        for index in tqdm(range(len(blocks)), desc="evaluate", unit="block", disable=not show_progress):
+            name = f"{weights.blocks_path}.{index}"
+            weights.load(name)
+            block = blocks[index].to(device)
+            for b, (args, _) in enumerate(inputs):
+                args, kwargs = _with_hidden(args, per_block[b][index], hidden[b])
+                hidden[b] = _hidden(block(*args, **kwargs))
+            weights.free(name)
+        originals = list(blocks)
+        for b, batch in enumerate(windows.split(batch_size)):
+            for i, block in enumerate(originals):
+                blocks[i] = _HandOver(block, hidden[b] if i == len(originals) - 1 else None)
+            hidden[b] = None
+            try:
+                logits = model(input_ids=batch.to(device), use_cache=False).logits.cpu()
+            finally:
+                for i, block in enumerate(originals):
+                    blocks[i] = block
+            yield checked_logits(logits, b * batch_size, whose)
+            del logits
+    finally:
+        for name in outside:
+            weights.free(name)
+
+
+def streamed_reference_logits(source: str | os.PathLike, windows: torch.Tensor, folder: Path,
+                              compute_dtype: torch.dtype, *, device: torch.device | str = "cpu"):
+    """The unquantized model's logits on windows, computed in compute_dtype as ptq.quantize
+    will compute, streamed from `source`, kept in `folder` (ptq.evaluate.ReferenceLogits,
+    batches of 4 as ptq.evaluate takes them): what `ptq quantize` keeps of the original
+    before quantizing it in memory, without loading it."""
+    import shutil
+
+    from ptq.evaluate import store_logits
+    from ptq.pipeline import cast_parameters_
+
+    shutil.rmtree(folder, ignore_errors=True)  # left by a run killed before it could remove them
+    model = meta_model(Path(source))
+    cast_parameters_(model, compute_dtype)
+    logits = streamed_logits(model, source, windows, batch_size=4, device=device, whose="the reference model's")
+    return store_logits(logits, windows, folder, 4, getattr(model.config, "vocab_size", None))

@@ -4,8 +4,10 @@ Not run in CI. For each size it writes a random-initialised Llama in bf16 into a
 folder (shard by shard: the whole model is never in memory here either), then quantizes
 it, streamed, in a child process whose address space is capped by the OS (RLIMIT_AS, as
 `prlimit --as` sets it), so that a memory regression fails loudly instead of passing
-slowly. It prints the child's peak RSS (from wait4), the import-only baseline and the
-ratio to the model's bf16 bytes.
+slowly. It prints the child's peak RSS (VmHWM, which the child reads from /proc/self/status
+as it ends), the import-only baseline and the ratio to the model's bf16 bytes. Not wait4's
+ru_maxrss: Linux carries a process's peak across exec, so a child forked from this script
+after it generated a 3 GB model would report this script's peak (2.4 GB) as its own.
 
     python scripts/bench_streaming.py --sizes-gb 1 3 --scratch /tmp/ptq-bench-streaming
     python scripts/bench_streaming.py --sizes-gb 1 --recipe recipes/w4a16-gptq.yaml --samples 8
@@ -24,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this ptq, also when the installed one is not importable from here
 GB = 1024**3
 # virtual memory, not RSS: torch's import alone reserves about 6 GB of address space and each
 # shard open is mapped whole; the RSS ratio below is the measure, this only stops a runaway
@@ -32,9 +36,9 @@ SHARD_BYTES = 1 * GB  # the generated model's shards (Hub models use 2 to 5 GB)
 LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
              vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)  # TinyLlama-1.1B's shape
 
-# glibc otherwise raises its mmap threshold as large blocks are freed and then keeps up to
-# ~300 MB of freed weights in its heap; a fixed 1 MB threshold returns them to the OS
-CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+# no MALLOC_MMAP_THRESHOLD_: ptq.streaming sets glibc's threshold itself (return_freed_memory),
+# and the figures are those of a plain `ptq quantize --stream`
+CHILD_ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
 
 CHILD = r"""
 import json, sys, time
@@ -44,7 +48,11 @@ import ptq  # noqa: F401  (imports counted in the baseline)
 from ptq.checkpoint.writer import write_checkpoint
 from ptq.recipe import load_recipe
 from ptq.streaming import quantize_streamed
+def peak_rss():  # this process's high-water mark since exec, bytes
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 if folder == "--imports-only":
+    print(json.dumps({"peak_rss": peak_rss()}))
     sys.exit(0)
 recipe = load_recipe(recipe_path)
 cal = recipe.calibration.model_copy(update={"samples": int(samples), "seq_len": int(seq_len)})
@@ -55,7 +63,7 @@ start = time.perf_counter()
 Path(out).mkdir()
 model, shards = quantize_streamed(folder, recipe, Path(out), tokenizer=tokenizer, show_progress=False)
 write_checkpoint(model, Path(out), tokenizer=tokenizer, shards=shards)
-print(json.dumps({"seconds": time.perf_counter() - start}))
+print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss": peak_rss()}))
 """
 
 
@@ -123,19 +131,21 @@ def _save_shard(folder: Path, shard: dict, number: int, save_file) -> None:
         shard[name] = None
 
 
-def run_child(args: list[str], address_space_bytes: int) -> tuple[int, int, str]:
-    """(exit status, peak RSS bytes, stdout+stderr) of the child under RLIMIT_AS."""
+def run_child(args: list[str], address_space_bytes: int) -> tuple[int, dict, str]:
+    """(exit status, the JSON line it printed last or {}, stdout+stderr) of the child under RLIMIT_AS."""
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
 
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen([sys.executable, "-c", CHILD, *args], preexec_fn=limit,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **CHILD_ENV})
+                               env={**os.environ, **CHILD_ENV, "PYTHONPATH": path})
     output = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, usage.ru_maxrss * 1024, output  # ru_maxrss: KiB on Linux
+    status = process.wait()
+    lines = output.strip().splitlines()
+    result = json.loads(lines[-1]) if status == 0 and lines and lines[-1].startswith("{") else {}
+    return status, result, output
 
 
 def main() -> int:
@@ -152,8 +162,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the generated models for another run")
     args = parser.parse_args()
     args.scratch.mkdir(parents=True, exist_ok=True)
-    base_status, base_rss, output = run_child([args.recipe, "--imports-only", "-", "0", "0"], 64 * GB)
+    base_status, base, output = run_child([args.recipe, "--imports-only", "-", "0", "0"], 64 * GB)
     assert base_status == 0, output
+    base_rss = base["peak_rss"]
     print(f"imports alone: peak RSS {base_rss / 2**20:,.0f} MiB")
     print(f"{'model':>10} {'blocks':>6} {'peak RSS':>10} {'ratio':>6} {'above imports':>14} {'time':>7}  recipe")
     failed = False
@@ -167,15 +178,15 @@ def main() -> int:
         out = args.scratch / f"out-{size:g}gb"
         shutil.rmtree(out, ignore_errors=True)
         ceiling = int((args.address_space_gb or DEFAULT_ADDRESS_SPACE_GB) * GB)
-        status, rss, output = run_child([args.recipe, str(folder), str(out), str(args.samples), str(args.seq_len)],
-                                        int(ceiling))
+        child_args = [args.recipe, str(folder), str(out), str(args.samples), str(args.seq_len)]
+        status, result, output = run_child(child_args, ceiling)
         if status != 0:
             print(output[-3000:])
             print(f"{model_bytes / GB:>8.2f}GB: the streamed run failed (exit {status}) under RLIMIT_AS "
                   f"{ceiling / GB:.1f} GB")
             failed = True
             continue
-        seconds = json.loads(output.strip().splitlines()[-1])["seconds"]
+        seconds, rss = result["seconds"], result["peak_rss"]
         ratio = rss / model_bytes
         print(f"{model_bytes / GB:>8.2f}GB {blocks:>6} {rss / 2**20:>7,.0f}MiB {ratio:>6.3f} "
               f"{(rss - base_rss) / 2**20:>11,.0f}MiB {seconds:>6.1f}s  {args.recipe} (samples {args.samples})")

@@ -115,12 +115,53 @@ def test_cli_stream_writes_the_in_memory_checkpoint(tmp_path, capsys):
     _assert_same_checkpoint(tmp_path / "memory", tmp_path / "streamed")
 
 
-def test_cli_stream_asks_for_no_eval(tmp_path, capsys):
+def test_cli_stream_evaluates_as_the_in_memory_path(tmp_path, capsys):
+    """--stream with evaluation: the original's logits streamed from the source folder, the
+    quantized model's from the checkpoint just written; the very numbers of the in-memory run."""
     from ptq.cli import main
 
-    assert main(["quantize", "--recipe", "recipes/w4a16-rtn.yaml", "--stream", "--output", tmp_path / "o"]) == 2
-    assert "--stream does not evaluate yet" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    common = ["quantize", "--recipe", "recipes/w4a16-rtn.yaml", "--eval-windows", "6", "--eval-seq-len", "128"]
+    for how in ("memory", "streamed"):
+        extra = ["--stream"] if how == "streamed" else []
+        assert main([*common, *extra, "--output", tmp_path / how, "--report-json", tmp_path / f"{how}.json"]) == 0
+    assert "KL to original" in capsys.readouterr().out
+    memory, streamed = (json.loads((tmp_path / f"{how}.json").read_text())["quality"] for how in ("memory", "streamed"))
+    assert memory["kl"] > 0 and memory["tokens"] == 6 * 127
+    assert streamed == memory  # bit-exact: the same logits, summed in the same order
+    _assert_same_checkpoint(tmp_path / "memory", tmp_path / "streamed")
+    assert not any((tmp_path / "streamed").glob(".shard-*"))  # no part file left behind
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3"])  # llama3: lm_head tied to the embeddings
+def test_streamed_logits_are_the_models_bit_for_bit(family, tokenizer, tmp_path):
+    """streamed_logits, one block in memory, against the model's own forward pass: the
+    original (read from its folder) and the quantized one (read from the checkpoint written)."""
+    from ptq.devices import compute_dtype_for
+    from ptq.pipeline import cast_parameters_
+    from ptq.streaming import meta_model, streamed_logits
+
+    source = tmp_path / "source"
+    tiny_model(family).save_pretrained(source, max_shard_size="300KB")
+    tokenizer.save_pretrained(source)
+    windows = ptq.eval_windows(tokenizer, seq_len=64, max_windows=5)
+    model, _ = ptq.load_model(source)
+    dtype = compute_dtype_for("cpu", next(model.parameters()).dtype)
+    cast_parameters_(model, dtype)
+    original = meta_model(source)
+    cast_parameters_(original, dtype)
+    with torch.no_grad():
+        before = [model(input_ids=batch, use_cache=False).logits for batch in windows.split(2)]
+        recipe = _recipe("recipes/w4a16-rtn.yaml", tmp_path)
+        ptq.quantize(model, recipe, show_progress=False)  # the in-memory path's quantized model
+        after = [model(input_ids=batch, use_cache=False).logits for batch in windows.split(2)]
+    (tmp_path / "out").mkdir()
+    quantized, shards = quantize_streamed(source, recipe, tmp_path / "out", show_progress=False)
+    write_checkpoint(quantized, tmp_path / "out", shards=shards)
+    for folder, meta, expected in ((source, original, before), (tmp_path / "out", quantized, after)):
+        got = list(streamed_logits(meta, folder, windows, batch_size=2))
+        assert len(got) == len(expected) == 3
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+        assert all(t.is_meta for t in meta.parameters()), "streamed_logits leaves no weight loaded"
 
 
 def test_streaming_refuses_nan_weights_as_it_loads_them(tokenizer, tmp_path):

@@ -47,6 +47,7 @@ class ShardWriter:
         self._shard = _Shard()
         self._written: list[tuple[Path, list[str]]] = []  # finished shard file, its tensor names
         self.total_bytes = 0
+        self._finished = False
 
     def add(self, tensors: dict[str, Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -97,6 +98,11 @@ class ShardWriter:
         self._shard = _Shard()
 
     def finish(self) -> None:
+        """Write the last shard and name the files; again, it does nothing (the files are
+        finished before the rest of a checkpoint when its tensors are read back first)."""
+        if self._finished:
+            return
+        self._finished = True
         if self._shard.entries or not self._written:
             self._close_shard()
         if len(self._written) == 1:
