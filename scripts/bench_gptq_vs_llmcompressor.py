@@ -1,32 +1,42 @@
-"""GPTQ W4A16 (group 128, actorder static): ptq against llm-compressor, in one run.
+"""GPTQ and AWQ W4A16: ptq against llm-compressor and against the floor, quiet and under load.
 
     python -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor
     python scripts/bench_gptq_vs_llmcompressor.py --llmc-python /tmp/llmc/bin/python
 
 Both tools quantize the same checkpoints (saved in bf16, as users load them) on the same
-calibration token ids (default 32 x 512 from the bundled text), each in its own process
-so that peak RSS is its own. llm-compressor is never a ptq dependency: it runs from the
-virtual environment given by --llmc-python, in two settings: the model loaded in bf16 (as
-given) and in float32. ptq picks its compute dtype itself (bf16 where this CPU has fast
-bf16 matmuls, else float32).
+calibration token ids from the bundled text, each run in its own process so that peak
+RSS is its own. llm-compressor is never a ptq dependency: it runs from the virtual
+environment given by --llmc-python (scripts/llmcompressor_worker.py), with the model
+loaded in bf16 (as given) and in float32. ptq picks its compute dtype itself (bf16 where
+this CPU has fast bf16 matmuls, else float32).
 
---no-fast-bf16 runs every worker as on a CPU without fast bf16 matmuls (AVX2 only, as the
-CPU the GPTQ issue was written on): oneDNN, torch's bf16 GEMM path here, is turned off,
-so bf16 Linears fall back to ATen's own kernels (ATEN_CPU_CAPABILITY=avx2). ptq's rule
-then picks float32; llm-compressor computes in the checkpoint's bf16.
+Models (--models): the bundled trained model, the only one whose perplexity (on the
+held-out text) means anything; a random Llama (hidden 1024, intermediate 2816, 4 layers)
+and a random model shaped as SmolLM2-135M (hidden 576, intermediate 1536, 30 layers, 9
+query and 3 key-value heads, vocab 49152), for speed. --tokens sets samples x length per
+model (defaults: 32 x 512, 32 x 512, 32 x 256).
 
-Models: the bundled trained model (quality: perplexity of each result on the held-out
-text) and a random-initialised Llama (hidden 1024, intermediate 2816, 4 layers, vocab
-32000: speed). The table shows wall time end to end (load, calibrate, quantize, save),
-the time inside the GPTQ solves, peak RSS (medians and ranges over --repeats runs), and
-perplexity; then the floor estimate: the FLOPs of one forward pass of the blocks'
-Linears (in the compute dtype ptq picks here) plus the Hessians (to float32 accuracy),
-over the matmul GFLOP/s measured here.
+Phases, each printing a table:
+1. GPTQ (actorder static): wall time end to end (load, calibrate, quantize, save), ptq's
+   quantize time, the time inside the GPTQ solves, peak RSS, perplexity;
+2. AWQ (grid 20, duo scaling, then round to nearest; --awq-clip adds ptq's clipping
+   search): ptq's AWQ search beside its GPTQ solves on the same model, and
+   llm-compressor's AWQ (which on a CPU may raise: its error line is the row);
+3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
+   here for its kind of operation, against ptq's quantize time;
+4. under load (--load-model): ptq's GPTQ and llm-compressor's (at its faster dtype) with
+   one busy process per core beside them (scripts/bench_under_load.busy_cores), each run
+   right after a quiet one of the same tool, the slowdown their ratio.
+Then each goal of issue 15 with its measured ratio, met or not met.
+
+--no-fast-bf16 runs every worker as on a CPU without fast bf16 matmuls (oneDNN off,
+ATEN_CPU_CAPABILITY=avx2): ptq's rule then picks float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,11 +45,24 @@ import sys
 import time
 from pathlib import Path
 
+import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
+from bench_floor import Rates, floor_of
+from bench_under_load import busy_cores
+
 HERE = Path(__file__).resolve()
-RANDOM_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                     num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048)
+RANDOM_MODELS = {
+    "random": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                   num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+TOKENS = {"bundled": (32, 512), "random": (32, 512), "smollm2": (32, 256)}
+GROUP_SIZE = {"bundled": 128, "random": 128, "smollm2": 64}  # 128 does not divide SmolLM2's 576
+NO_FAST_BF16 = "PTQ_BENCH_NO_FAST_BF16"  # set in a worker's environment by --no-fast-bf16
+GOALS = {"speed": 3.0, "floor": 1.5, "load": 2.5}  # issue 15's targets
 
 
 def peak_rss_mb() -> float:
@@ -48,8 +71,8 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
-def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
-    """The two model folders (bf16 + tokenizer) and the calibration ids file."""
+def prepare(work: Path, models: list[str], tokens: dict[str, tuple[int, int]]) -> dict[str, tuple[Path, Path]]:
+    """Each model's folder (bf16 + tokenizer) and its calibration ids file."""
     import transformers
 
     from ptq.calibration.data import calibration_batches
@@ -57,19 +80,20 @@ def prepare(work: Path, samples: int, seq_len: int) -> dict[str, Path]:
 
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_path())
-    ids = calibration_batches(tokenizer, "builtin", samples=samples, seq_len=seq_len, seed=0)
-    torch.save(ids, work / "ids.pt")
-    random_path = work / "random-llama"
-    if not (random_path / "config.json").exists():
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**RANDOM_CONFIG)
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        model.save_pretrained(random_path)
-        tokenizer.save_pretrained(random_path)
-    return {"bundled": bundled_model_path(), "random": random_path, "ids": work / "ids.pt"}
-
-
-NO_FAST_BF16 = "PTQ_BENCH_NO_FAST_BF16"  # set in a worker's environment by --no-fast-bf16
+    paths = {}
+    for name in models:
+        samples, seq_len = tokens[name]
+        ids = work / f"ids-{samples}x{seq_len}.pt"
+        if not ids.exists():
+            torch.save(calibration_batches(tokenizer, "builtin", samples=samples, seq_len=seq_len, seed=0), ids)
+        path = bundled_model_path() if name == "bundled" else work / name
+        if name != "bundled" and not (path / "config.json").exists():
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**RANDOM_MODELS[name]))
+            model.to(torch.bfloat16).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        paths[name] = (Path(path), ids)
+    return paths
 
 
 def slow_bf16_if_asked() -> None:
@@ -78,152 +102,276 @@ def slow_bf16_if_asked() -> None:
         torch.backends.mkldnn.enabled = False
 
 
-def ptq_worker(model_path: str, ids_path: str, out: str, options: dict) -> dict:
-    import ptq
+def ptq_recipe(method: str, samples: int, seq_len: int, group_size: int, options: dict):
     from ptq.recipe import parse_recipe
 
+    calibration = {"samples": samples, "seq_len": seq_len}
+    calibration.update({k: v for k, v in options.items() if k in ("true_sequential", "propagate")})
+    scheme = {"weights": {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": group_size}}
+    if method == "gptq":
+        gptq = {"scheme": scheme, "actorder": "static"}
+        gptq.update({k: v for k, v in options.items() if k not in calibration and k != "awq_clip"})
+        steps = [{"gptq": gptq}]
+    else:
+        steps = [{"awq": {"n_grid": 20, "duo_scaling": True, "clip": bool(options.get("awq_clip"))}},
+                 {"rtn": {"scheme": scheme, "targets": ["Linear"], "ignore": ["lm_head"]}}]
+    return parse_recipe({"calibration": calibration, "steps": steps})
+
+
+def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size: int, options: dict) -> dict:
     slow_bf16_if_asked()
     start = time.perf_counter()
     ids = torch.load(ids_path, weights_only=True)
     model, tokenizer = ptq.load_model(model_path)
-    calibration = {"samples": ids.shape[0], "seq_len": ids.shape[1]}
-    calibration.update({k: v for k, v in options.items() if k in ("true_sequential", "propagate")})
-    gptq = {"scheme": "W4A16", "actorder": "static"}
-    gptq.update({k: v for k, v in options.items() if k not in calibration})
-    recipe = parse_recipe({"calibration": calibration, "steps": [{"gptq": gptq}]})
+    recipe = ptq_recipe(method, ids.shape[0], ids.shape[1], group_size, options)
     ptq.quantize(model, recipe, tokenizer=tokenizer, data=ids, show_progress=False)
     ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
-    timings = model.ptq_report.timings
-    return {"wall": time.perf_counter() - start, "gptq": timings.get("GPTQ solves", 0.0),
-            "peak_rss_mb": peak_rss_mb(), "timings": timings, "compute_dtype": str(model.ptq_report.compute_dtype)}
+    report = model.ptq_report
+    return {"wall": time.perf_counter() - start, "quantize": report.seconds,
+            "gptq": report.timings.get("GPTQ solves", 0.0),
+            "awq": sum(v for k, v in report.timings.items() if k.lower() == "awq search"),
+            "peak_rss_mb": peak_rss_mb(), "timings": report.timings,
+            "compute_dtype": str(report.compute_dtype).removeprefix("torch.")}
 
 
-def run_worker(python: str, tool: str, model: Path, ids: Path, out: Path, dtype: str, options: str,
-               no_fast_bf16: bool) -> dict:
-    command = [python, str(HERE), "--worker", tool, "--model", str(model), "--ids", str(ids), "--out", str(out),
-               "--dtype", dtype, "--ptq-options", options]
-    if tool == "llmcompressor":
-        command = [python, str(HERE.parent / "llmcompressor_worker.py")] + command[4:-2]
+def run_worker(args, tool: str, method: str, name: str, dtype: str, timeout: float | None = None) -> dict:
+    """One quantization in its own process; {"error": ...} when it fails or runs out of time."""
+    model, ids = args.paths[name]
+    out = args.work / f"{name}-{tool}-{method}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
+    common = ["--model", str(model), "--ids", str(ids), "--out", str(out), "--dtype", dtype, "--method", method,
+              "--group-size", str(GROUP_SIZE[name])]
+    if tool == "ptq":
+        options = json.loads(args.ptq_options) | ({"awq_clip": True} if args.awq_clip else {})
+        command = [sys.executable, str(HERE), "--worker", *common, "--ptq-options", json.dumps(options)]
+    else:
+        command = [args.llmc_python, str(HERE.parent / "llmcompressor_worker.py"), *common]
     env = dict(os.environ)
-    if no_fast_bf16:
+    if args.no_fast_bf16:
         env.update({NO_FAST_BF16: "1", "ATEN_CPU_CAPABILITY": "avx2"})
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {timeout:.0f} s", "wall": float(timeout)}
     if result.returncode != 0:
-        raise SystemExit(f"{tool} worker failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found["out"] = str(out)
+    return found
 
 
-def perplexity(path: Path) -> float:
+def perplexity(path: str) -> float:
     import transformers
-
-    import ptq
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     windows = ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
     return ptq.evaluate(ptq.load(path), windows, show_progress=False).perplexity
 
 
-def matmul_gflops(dtype: torch.dtype) -> float:
-    """GFLOP/s of a [4096 x 1024] @ [1024 x 2816] matmul in dtype on this machine."""
-    a, b = torch.randn(4096, 1024).to(dtype), torch.randn(1024, 2816).to(dtype)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    return 5 * 2 * 4096 * 1024 * 2816 / (time.perf_counter() - start) / 1e9
+def timed_runs(args, cases: list[tuple[str, str, str, str]]) -> dict[tuple, list[dict]]:
+    """(model, tool, method, dtype) -> its runs; the cases take turns, so drift hits all alike."""
+    results: dict[tuple, list[dict]] = {case: [] for case in cases}
+    for repeat in range(args.repeats):
+        for case in cases:
+            name, tool, method, dtype = case
+            print(f"[{time.strftime('%H:%M:%S')}] {tool} {method} ({dtype}) on {name} "
+                  f"({repeat + 1}/{args.repeats}) ...", flush=True)
+            result = run_worker(args, tool, method, name, dtype)
+            if name == "bundled" and "error" not in result and repeat == args.repeats - 1:
+                result["ppl"] = perplexity(result["out"])
+            results[case].append(result)
+            print(f"  {json.dumps(result)}", flush=True)
+    return results
 
 
-def floor_seconds(model: Path, samples: int, seq: int) -> tuple[float, float, float]:
-    """The least time the work can take here: (forward TFLOP, Hessian TFLOP, seconds).
+def median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if key in r and "error" not in r]
+    return statistics.median(values) if values else float("nan")
 
-    One forward pass of the blocks' Linears and attention, in the compute dtype ptq picks
-    here, plus the shared Hessians (upper blocks only, as accumulated) to float32 accuracy,
-    each over the matmul rate measured for its dtype. A float32-accurate Hessian costs its
-    FLOPs at the float32 rate, or twice its FLOPs at the bf16 rate where ptq splits bf16
-    products in two GEMMs (ptq.devices.split_bf16_product): the cheaper of the two counts.
-    Loading, saving and the GPTQ solves come on top.
-    """
+
+def spread(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs if key in r and "error" not in r]
+    return f"{min(values):.1f}-{max(values):.1f}" if len(values) > 1 else ""
+
+
+def dtype_shown(tool: str, dtype: str, runs: list[dict]) -> str:
+    return f"auto: {runs[0].get('compute_dtype', '?')}" if tool == "ptq" else dtype
+
+
+def gptq_table(args, results) -> None:
+    print(f"\nGPTQ W4A16 (group 128; 64 on smollm2), actorder static; seconds and MB, medians of {args.repeats}")
+    print(f"{'model':8} {'tool':14} {'dtype':15} {'tokens':>7} {'wall s':>7} {'(range)':>11} {'quantize':>8} "
+          f"{'GPTQ s':>7} {'peak RSS':>8} {'ppl':>7}")
+    for (name, tool, method, dtype), runs in results.items():
+        if method != "gptq":
+            continue
+        samples, seq_len = args.tokens[name]
+        if all("error" in r for r in runs):
+            print(f"{name:8} {tool:14} {dtype:15} does not run: {runs[-1]['error']}")
+            continue
+        print(f"{name:8} {tool:14} {dtype_shown(tool, dtype, runs):15} {f'{samples}x{seq_len}':>7} "
+              f"{median(runs, 'wall'):7.1f} {spread(runs, 'wall'):>11} {median(runs, 'quantize'):8.1f} "
+              f"{median(runs, 'gptq'):7.1f} {median(runs, 'peak_rss_mb'):8.0f} "
+              f"{runs[-1].get('ppl', float('nan')):7.3f}")
+
+
+def awq_table(args, results) -> None:
+    clip = "with ptq's clipping search" if args.awq_clip else "no clipping"
+    print(f"\nAWQ W4A16 (grid 20, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
+    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>7} {'AWQ search':>10} {'ptq GPTQ solves':>15} "
+          f"{'search/solves':>13} {'ppl':>7}")
+    for (name, tool, method, dtype), runs in results.items():
+        if method != "awq":
+            continue
+        if all("error" in r for r in runs):
+            print(f"{name:8} {tool:14} {dtype:15} does not run: {runs[-1]['error']}")
+            continue
+        solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
+        search = median(runs, "awq") if tool == "ptq" else float("nan")
+        print(f"{name:8} {tool:14} {dtype_shown(tool, dtype, runs):15} {median(runs, 'wall'):7.1f} {search:10.1f} "
+              f"{solves:15.1f} {search / solves:12.2f}x {runs[-1].get('ppl', float('nan')):7.3f}")
+
+
+def floor_table(args, results) -> dict[str, float]:
+    """Print each model's floor and ptq's quantize time against it; return model -> ratio."""
     import transformers
 
-    from ptq.calibration.observers import HessianObserver
-    from ptq.devices import bf16_products_split_exactly, compute_dtype_for
+    rates, ratios = Rates(), {}
+    print("\nFloor: every FLOP of the GPTQ job at the rate measured here for its kind (scripts/bench_floor.py)")
+    for name in args.models:
+        samples, seq_len = args.tokens[name]
+        floor = floor_of(transformers.AutoConfig.from_pretrained(args.paths[name][0]), samples, seq_len, rates)
+        quantize = median(results.get((name, "ptq", "gptq", "auto"), []), "quantize")
+        ratios[name] = quantize / floor.seconds
+        print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
+              f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
+    print("rates measured, GFLOP/s: " + ", ".join(f"{k[0]}{list(k[1:])} {v:.0f}" for k, v in rates.cache.items()))
+    return ratios
 
-    c = transformers.AutoConfig.from_pretrained(model)
-    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
-    linears = h * (2 * h + 2 * kv) + 3 * h * i  # q, o, k, v, gate, up, down: MACs per token
-    attention = 2 * seq * h  # scores and weighted sum, per token (full, as the CPU kernels do)
 
-    def hessian(n: int) -> float:  # MACs per token of one shared Hessian, blocks on and above the diagonal
-        edges = HessianObserver()._edges(n)
-        return sum((b - a) * (n - a) for a, b in zip(edges, edges[1:]))
+def faster_llmc(results, name: str) -> tuple[str, list[dict]] | None:
+    """llm-compressor's GPTQ runs on the model at its faster dtype (lower median wall)."""
+    found = [(dtype, runs) for (n, tool, method, dtype), runs in results.items()
+             if (n, tool, method) == (name, "llmcompressor", "gptq") and not all("error" in r for r in runs)]
+    return min(found, key=lambda item: median(item[1], "wall")) if found else None
 
-    hessians = 3 * hessian(h) + hessian(i)  # q/k/v share one, o, gate/up share one, down
-    tokens_layers = 2 * samples * seq * c.num_hidden_layers
-    forward, second = tokens_layers * (linears + attention), tokens_layers * hessians
-    dtype = compute_dtype_for("cpu", torch.bfloat16)
-    hessian_rate = matmul_gflops(torch.float32)
-    if dtype == torch.bfloat16 and bf16_products_split_exactly("cpu"):
-        hessian_rate = max(hessian_rate, matmul_gflops(torch.bfloat16) / 2)
-    seconds = forward / (matmul_gflops(dtype) * 1e9) + second / (hessian_rate * 1e9)
-    return forward / 1e12, second / 1e12, seconds
+
+def load_phase(args, results) -> dict[str, tuple[float, float]]:
+    """tool -> (quiet wall, loaded wall) on --load-model: each loaded run (a busy process on
+    each core) right after a quiet one, so that drift in the machine hits both alike."""
+    name = args.load_model
+    cases = [("ptq", "auto")]
+    llmc = faster_llmc(results, name)
+    if llmc:
+        cases.append(("llmcompressor", llmc[0]))
+    cores = len(os.sched_getaffinity(0))
+    walls: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeats):
+        for tool, dtype in cases:
+            for load in ("quiet", "loaded"):
+                print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
+                timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
+                with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
+                    result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
+                print(f"  {json.dumps(result)}", flush=True)
+                walls.setdefault((tool, load), []).append(result["wall"])
+    slowdowns = {}
+    print(f"\nUnder load: GPTQ on {name}, {cores} busy processes (one per core) beside it; wall seconds, "
+          f"medians of {args.repeats}")
+    print(f"{'tool':14} {'dtype':10} {'quiet':>7} {'loaded':>7} {'slowdown':>9}")
+    for tool, dtype in cases:
+        quiet, busy = statistics.median(walls[(tool, "quiet")]), statistics.median(walls[(tool, "loaded")])
+        slowdowns[tool] = (quiet, busy)
+        print(f"{tool:14} {dtype:10} {quiet:7.1f} {busy:7.1f} {busy / quiet:8.2f}x")
+    return slowdowns
+
+
+def goals(args, results, floor_ratios, slowdowns) -> None:
+    """Issue 15's goals, each with its measured ratio."""
+    rows = []
+    for name in args.models:
+        ptq_runs, llmc = results[(name, "ptq", "gptq", "auto")], faster_llmc(results, name)
+        if llmc:
+            ratio = median(llmc[1], "wall") / median(ptq_runs, "wall")
+            rows.append((f"GPTQ >= {GOALS['speed']:g}x faster than llm-compressor ({llmc[0]}), {name}",
+                         f"{ratio:.2f}x", ratio >= GOALS["speed"]))
+            if name == "bundled":
+                mine, theirs = ptq_runs[-1].get("ppl", float("nan")), llmc[1][-1].get("ppl", float("nan"))
+                rows.append((f"perplexity <= llm-compressor's, {name}", f"{mine:.3f} vs {theirs:.3f}", mine <= theirs))
+        rows.append((f"quantize within {GOALS['floor']:g}x of the floor, {name}", f"{floor_ratios[name]:.2f}x",
+                     floor_ratios[name] <= GOALS["floor"]))
+        if (name, "ptq", "awq", "auto") in results:
+            search, solves = median(results[(name, "ptq", "awq", "auto")], "awq"), median(ptq_runs, "gptq")
+            rows.append((f"AWQ search <= GPTQ solves, {name}", f"{search:.1f} s vs {solves:.1f} s "
+                         f"({search / solves:.2f}x)", search <= solves))
+    if "ptq" in slowdowns:
+        mine = slowdowns["ptq"][1] / slowdowns["ptq"][0]
+        rows.append((f"slowdown under load <= {GOALS['load']:g}x, {args.load_model}", f"{mine:.2f}x",
+                     mine <= GOALS["load"]))
+        if "llmcompressor" in slowdowns:
+            theirs = slowdowns["llmcompressor"][1] / slowdowns["llmcompressor"][0]
+            rows.append(("slowdown under load <= llm-compressor's", f"{mine:.2f}x vs {theirs:.2f}x", mine <= theirs))
+    print("\nGoals (issue 15)")
+    for goal, measured, met in rows:
+        print(f"{goal:62} {measured:>24}  {'met' if met else 'NOT MET'}")
+
+
+def parse_tokens(items: list[str]) -> dict[str, tuple[int, int]]:
+    tokens = dict(TOKENS)
+    for item in items:
+        name, _, shape = item.partition("=")
+        samples, _, seq_len = shape.partition("x")
+        tokens[name] = (int(samples), int(seq_len))
+    return tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llmc-python", required=False, help="python of a venv with llmcompressor installed")
+    parser.add_argument("--llmc-python", help="python of a venv with llmcompressor installed")
     parser.add_argument("--work", type=Path, default=Path("/tmp/ptq-bench-gptq"))
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--models", nargs="+", default=["bundled", "random"])
+    parser.add_argument("--models", nargs="+", default=list(TOKENS), choices=list(TOKENS))
+    parser.add_argument("--tokens", nargs="*", default=[], metavar="MODEL=SAMPLESxLEN",
+                        help="calibration tokens per model, e.g. smollm2=64x256 (defaults: 32x512, 32x512, 32x256)")
     parser.add_argument("--llmc-dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--ptq-options", default="{}",
                         help='JSON of ptq GPTQ/calibration options to try, e.g. \'{"scales": "original"}\'')
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each tool per model: the table shows medians and ranges")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case: tables show medians")
+    parser.add_argument("--awq-models", nargs="*", default=["bundled", "smollm2"], help="models of the AWQ table")
+    parser.add_argument("--awq-clip", action="store_true", help="ptq's AWQ also searches clipping ranges")
+    parser.add_argument("--load-model", default="bundled", choices=list(TOKENS), help="model of the load phase")
+    parser.add_argument("--load-timeout", type=float, default=10.0, help="stop a loaded run at this x its quiet time")
+    parser.add_argument("--skip-load", action="store_true", help="no under-load phase")
     parser.add_argument("--no-fast-bf16", action="store_true",
                         help="run the workers as on a CPU without fast bf16 matmuls (oneDNN off, AVX2 kernels)")
-    parser.add_argument("--worker", choices=["ptq"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--ids", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--model", "--ids", "--out", "--dtype", "--method"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "ptq":
-        print(json.dumps(ptq_worker(args.model, args.ids, args.out, json.loads(args.ptq_options))))
+    if args.worker:
+        options = json.loads(args.ptq_options)
+        print(json.dumps(ptq_worker(args.method, args.model, args.ids, args.out, args.group_size, options)))
         return
 
     if args.no_fast_bf16:  # the floor and the perplexity runs here see the same CPU as the workers
         os.environ[NO_FAST_BF16] = "1"
         slow_bf16_if_asked()
-    paths = prepare(args.work, args.samples, args.seq_len)
-    rows = []
-    for name in args.models:
-        runs = [("ptq", "auto")] + ([("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else [])
-        results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-        for repeat in range(args.repeats):  # the tools take turns, so drift in the machine hits all alike
-            for tool, dtype in runs:
-                out = args.work / f"{name}-{tool}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
-                python = sys.executable if tool == "ptq" else args.llmc_python
-                print(f"running {tool} ({dtype}) on the {name} model ({repeat + 1}/{args.repeats}) ...", flush=True)
-                result = run_worker(python, tool, paths[name], paths["ids"], out, dtype, args.ptq_options,
-                                    args.no_fast_bf16)
-                if repeat == args.repeats - 1:
-                    result["ppl"] = perplexity(out) if name == "bundled" else float("nan")
-                results[(tool, dtype)].append(result)
-                print(f"  {json.dumps(result)}", flush=True)
-        rows += [(name, tool, dtype, runs_of) for (tool, dtype), runs_of in results.items()]
-    print()
-    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>8} {'(min-max)':>12} {'GPTQ s':>7} "
-          f"{'peak RSS MB':>12} {'(min-max)':>12} {'ppl':>8}")
-    for name, tool, dtype, runs_of in rows:
-        shown = f"auto: {runs_of[0]['compute_dtype'].removeprefix('torch.')}" if tool == "ptq" else dtype
-        wall, gptq, rss = ([r[key] for r in runs_of] for key in ("wall", "gptq", "peak_rss_mb"))
-        print(f"{name:8} {tool:14} {shown:15} {statistics.median(wall):8.1f} {min(wall):5.1f}-{max(wall):<6.1f} "
-              f"{statistics.median(gptq):7.1f} {statistics.median(rss):12.0f} {min(rss):5.0f}-{max(rss):<6.0f} "
-              f"{runs_of[-1]['ppl']:8.3f}")
-    for name in args.models:
-        forward, hessians, seconds = floor_seconds(paths[name], args.samples, args.seq_len)
-        print(f"floor ({name}): {forward:.2f} TFLOP forward + {hessians:.2f} TFLOP Hessians = {seconds:.1f} s here")
+    start = time.perf_counter()
+    print(f"{os.cpu_count()} CPUs; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    args.tokens = parse_tokens(args.tokens)
+    args.awq_models = [m for m in args.awq_models if m in args.models]
+    args.load_model = args.load_model if args.load_model in args.models else args.models[0]
+    args.paths = prepare(args.work, args.models, args.tokens)
+    llmc = [("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else []
+    cases = [(name, tool, "gptq", dtype) for name in args.models for tool, dtype in [("ptq", "auto")] + llmc]
+    cases += [(name, tool, "awq", dtype) for name in args.awq_models
+              for tool, dtype in [("ptq", "auto")] + llmc[:1]]
+    results = timed_runs(args, cases)
+    gptq_table(args, results)
+    awq_table(args, results)
+    floor_ratios = floor_table(args, results)
+    slowdowns = {} if args.skip_load else load_phase(args, results)
+    goals(args, results, floor_ratios, slowdowns)
+    print(f"\n{time.perf_counter() - start:.0f} s in all; load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

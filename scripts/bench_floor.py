@@ -1,0 +1,147 @@
+"""The least time a GPTQ W4A16 job can take on this machine: every FLOP at its measured rate.
+
+Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibration token:
+
+- forward: one pass of the block's Linears (q, k, v, o, gate, up, down) and attention
+  (scores and weighted sum over the whole sequence, as the CPU kernels compute it), in
+  the compute dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
+- Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
+  diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or
+  twice the FLOPs at the bf16 rate where ptq splits bf16 products in two GEMMs (the
+  cheaper counts);
+
+and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
+
+- Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size;
+- inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
+- the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
+  addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
+  the float32 GEMM rate on [in, B] @ [B, out]).
+
+Rounding, the scale search, loading and saving come on top. Each rate is the best of a
+few timed runs, with torch's default thread count (the floor does not pin Cholesky to one
+thread as ptq does for reproducibility: it is the machine's best).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 128  # GPTQ's block of columns (ptq's and llm-compressor's default)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 3, min_seconds: float = 0.05) -> float:
+    """Best time of one call over `repeats` timings, each long enough to measure."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < min_seconds or calls == 0:
+            fn()
+            calls += 1
+        best = min(best, elapsed / calls)
+    return best
+
+
+class Rates:
+    """GFLOP/s of each kind of operation, measured here on given shapes, cached."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, float] = {}
+
+    def _rate(self, key: tuple, flops: float, make: Callable[[], Callable[[], object]]) -> float:
+        if key not in self.cache:
+            self.cache[key] = flops / best_seconds(make()) / 1e9
+        return self.cache[key]
+
+    def gemm(self, m: int, k: int, n: int, dtype: torch.dtype) -> float:
+        def make():
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # [m, k], [k, n]
+            return lambda: a @ b
+        return self._rate(("gemm", m, k, n, dtype), 2 * m * k * n, make)
+
+    def cholesky(self, n: int) -> float:
+        def make():
+            x = torch.randn(n, 2 * n)
+            H = x @ x.t() / n + torch.eye(n)  # [n, n] positive definite
+            return lambda: torch.linalg.cholesky_ex(H)
+        return self._rate(("cholesky", n), n**3 / 3, make)
+
+    def triangular_inverse(self, n: int) -> float:
+        def make():
+            x = torch.randn(n, 2 * n)
+            L = torch.linalg.cholesky(x @ x.t() / n + torch.eye(n))  # [n, n] lower
+            eye = torch.eye(n)
+            return lambda: torch.linalg.solve_triangular(L, eye, upper=False)
+        return self._rate(("trinv", n), n**3 / 3, make)  # as a triangular inverse: zeros above skipped
+
+    def rank1(self, out: int, block: int = BLOCK) -> float:
+        """addr_ on block / 2 rows of [out]: the column loop's update inside a block, on average."""
+        def make():
+            W, h, e = torch.randn(block // 2, out), torch.randn(block // 2), torch.randn(out)  # [block/2, out]
+            return lambda: W.addr_(h, e, alpha=-1)
+        return self._rate(("addr", out, block), block * out, make)
+
+
+@dataclass
+class Floor:
+    forward: float  # seconds of each part
+    hessians: float
+    cholesky: float
+    inverse: float
+    loop: float
+    tflop: float  # all parts
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.hessians + self.cholesky + self.inverse + self.loop
+
+    def parts(self) -> str:
+        return (f"forward {self.forward:.2f} + Hessians {self.hessians:.2f} + Cholesky {self.cholesky:.2f} + "
+                f"inverse {self.inverse:.2f} + column loop {self.loop:.2f} s")
+
+
+def hessian_macs(n: int) -> float:
+    """MACs per token of one Hessian [n, n], blocks on and above the diagonal as ptq accumulates."""
+    from ptq.calibration.observers import HessianObserver
+
+    edges = HessianObserver()._edges(n)
+    return sum((b - a) * (n - a) for a, b in zip(edges, edges[1:]))
+
+
+def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
+    """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens."""
+    from ptq.devices import bf16_products_split_exactly, compute_dtype_for
+
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    tokens = samples * seq
+    dtype = compute_dtype_for("cpu", torch.bfloat16)
+    m = min(tokens, 2048)  # rows of the GEMMs timed (a few batches' tokens)
+    forward = 2 * tokens * layers * (  # FLOPs at the GEMM rate of each Linear's shape
+        h * (q + 2 * kv) / rates.gemm(m, h, q + 2 * kv, dtype) + q * h / rates.gemm(m, q, h, dtype)
+        + 2 * h * i / rates.gemm(m, h, 2 * i, dtype) + i * h / rates.gemm(m, i, h, dtype)
+        + 2 * seq * q / rates.gemm(seq, head, seq, dtype))  # scores and weighted sum
+    flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * seq * q)
+
+    def hessian_seconds(n: int) -> float:
+        rate = rates.gemm(n, m, n, torch.float32)
+        if dtype == torch.bfloat16 and bf16_products_split_exactly("cpu"):
+            rate = max(rate, rates.gemm(n, m, n, torch.bfloat16) / 2)
+        return 2 * tokens * hessian_macs(n) / rate
+
+    hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones
+    flops += 2 * tokens * layers * (3 * hessian_macs(h) + hessian_macs(i))
+    weights = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of each solve
+    cholesky = inverse = loop = 0.0
+    for out, n in weights:
+        cholesky += layers * n**3 / 3 / rates.cholesky(n)
+        inverse += layers * n**3 / 3 / rates.triangular_inverse(n)
+        loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / rates.gemm(n, BLOCK, out, torch.float32))
+        flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
+    return Floor(forward / 1e9, hessians / 1e9, cholesky / 1e9, inverse / 1e9, loop / 1e9, flops / 1e12)
