@@ -11,7 +11,9 @@
 Peak accelerator memory is one block plus the activations of the calibration samples.
 When those would not fit in the GPU's free memory (activation_device), they wait on the
 CPU between uses instead: each batch's hidden states go to the GPU when a pass reads them
-and come back when the block has produced them (bit-identical results, more transfers).
+and come back when the block has produced them, and so do the true-sequential engine's
+recorded stage inputs and replayed outputs (ptq.calibration.sequential): the GPU holds
+one batch's at a time (bit-identical results, more transfers).
 The runner knows modules and hooks, not algorithms: callers say which Linears to observe
 and with which observer.
 """

@@ -38,6 +38,7 @@ from ptq.modules import cached_weight
 @dataclass
 class _Batch:
     index: int = 0
+    device: torch.device | None = None  # the compute device: replayed outputs return to it
 
 
 class _Replay(nn.Module):
@@ -52,16 +53,30 @@ class _Replay(nn.Module):
     def forward(self, *_args, **_kwargs):
         if self.last_use:
             output, self.outputs[self.batch.index] = self.outputs[self.batch.index], None
-            return output
+            return _fetch(output, self.batch.device, copy=False)
         # a copy, so in-place ops downstream cannot corrupt what the next pass replays
-        return _clone(self.outputs[self.batch.index])
+        return _fetch(self.outputs[self.batch.index], self.batch.device, copy=True)
 
 
-def _clone(value):
+def _fetch(value, device: torch.device | None, copy: bool):
+    """value's tensors on device (kept on the CPU while activations wait there: see
+    ptq.calibration.runner.activation_device); copies, unless copy is False and they are
+    on device already."""
     if isinstance(value, Tensor):
-        return value.clone()
+        if device is not None and value.device != device:
+            return value.to(device)
+        return value.clone() if copy else value
     if isinstance(value, tuple):
-        return tuple(_clone(v) for v in value)
+        return tuple(_fetch(v, device, copy) for v in value)
+    return value
+
+
+def _kept(value, run: BlockRun):
+    """value's tensors where the run's activations wait between passes."""
+    if isinstance(value, Tensor):
+        return run.keep(value)
+    if isinstance(value, tuple):
+        return tuple(_kept(v, run) for v in value)
     return value
 
 
@@ -173,7 +188,7 @@ def quantize_block_sequentially(
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
     stages = order.stages
-    batch = _Batch()
+    batch = _Batch(device=next(run.block.parameters()).device)
     replays: dict[str, list] = {}
     done: set[str] = set()
     for i, stage in enumerate(stages):
@@ -190,14 +205,14 @@ def quantize_block_sequentially(
         _coarsen(replays, pending, outputs, done, len(run.inputs))
         for name, module in quantize(stage, observer).items():
             with cached_weight(module):
-                replays[name] = [module(x) for x in recorded]
+                replays[name] = [_kept(module(x.to(batch.device)), run) for x in recorded]
             done.add(name)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
     next_inputs: Inputs = []
     with _replaying(run.block, replays, batch), cached_weight(run.block):
         for batch.index, (args, kwargs) in enumerate(run.inputs):
-            next_inputs.append(_with_hidden(args, kwargs, _hidden(run.block(*args, **kwargs))))
+            next_inputs.append(_with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs)))))
     return next_inputs
 
 
@@ -218,7 +233,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
     outputs: dict[str, list] = {name: [] for name in pending}
 
     def take_input(_module, args):
-        recorded.append(args[0])
+        recorded.append(run.keep(args[0]))
         observer.update(args[0])
         raise _StopForward
 
@@ -226,7 +241,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
         handles = [first.register_forward_pre_hook(take_input)]
         handles += [
             run.block.get_submodule(name).register_forward_hook(
-                lambda _m, _a, out, name=name: outputs[name].append(out)
+                lambda _m, _a, out, name=name: outputs[name].append(_kept(out, run))
             )
             for name in pending
         ]
