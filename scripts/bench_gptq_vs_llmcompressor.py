@@ -197,17 +197,23 @@ def dtype_shown(tool: str, dtype: str, runs: list[dict]) -> str:
     return f"auto: {runs[0].get('compute_dtype', '?')}" if tool == "ptq" else dtype
 
 
+def _runs_of(results, method: str):
+    """(model, tool, dtype, runs) of one method; a tool that failed every run gets its error line instead."""
+    for (name, tool, m, dtype), runs in results.items():
+        if m != method:
+            continue
+        if all("error" in r for r in runs):
+            print(f"{name:8} {tool:14} {dtype:15} does not run: {runs[-1]['error']}")
+            continue
+        yield name, tool, dtype, runs
+
+
 def gptq_table(args, results) -> None:
     print(f"\nGPTQ W4A16 (group 128; 64 on smollm2), actorder static; seconds and MB, medians of {args.repeats}")
     print(f"{'model':8} {'tool':14} {'dtype':15} {'tokens':>7} {'wall s':>7} {'(range)':>11} {'quantize':>8} "
           f"{'GPTQ s':>7} {'peak RSS':>8} {'ppl':>7}")
-    for (name, tool, method, dtype), runs in results.items():
-        if method != "gptq":
-            continue
+    for name, tool, dtype, runs in _runs_of(results, "gptq"):
         samples, seq_len = args.tokens[name]
-        if all("error" in r for r in runs):
-            print(f"{name:8} {tool:14} {dtype:15} does not run: {runs[-1]['error']}")
-            continue
         print(f"{name:8} {tool:14} {dtype_shown(tool, dtype, runs):15} {f'{samples}x{seq_len}':>7} "
               f"{median(runs, 'wall'):7.1f} {spread(runs, 'wall'):>11} {median(runs, 'quantize'):8.1f} "
               f"{median(runs, 'gptq'):7.1f} {median(runs, 'peak_rss_mb'):8.0f} "
@@ -219,12 +225,7 @@ def awq_table(args, results) -> None:
     print(f"\nAWQ W4A16 (grid 20, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
     print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>7} {'AWQ search':>10} {'ptq GPTQ solves':>15} "
           f"{'search/solves':>13} {'ppl':>7}")
-    for (name, tool, method, dtype), runs in results.items():
-        if method != "awq":
-            continue
-        if all("error" in r for r in runs):
-            print(f"{name:8} {tool:14} {dtype:15} does not run: {runs[-1]['error']}")
-            continue
+    for name, tool, dtype, runs in _runs_of(results, "awq"):
         solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
         search = median(runs, "awq") if tool == "ptq" else float("nan")
         print(f"{name:8} {tool:14} {dtype_shown(tool, dtype, runs):15} {median(runs, 'wall'):7.1f} {search:10.1f} "
