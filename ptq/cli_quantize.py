@@ -87,8 +87,7 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
 
 def check_processes(args, recipe) -> None:
     """What multi-process calibration (torchrun, accelerate launch) cannot do yet, before any work."""
-    from ptq.calibration.runner import BATCH_SIZE
-    from ptq.pipeline import uses_calibration_data
+    from ptq.pipeline import check_samples_for, uses_calibration_data
 
     if args.resume:
         raise PtqError("--resume runs in one process; start it without torchrun / accelerate launch")
@@ -97,10 +96,7 @@ def check_processes(args, recipe) -> None:
     if not uses_calibration_data(recipe):
         raise PtqError("this recipe uses no calibration data, so several processes have nothing to share; "
                        "run one process")
-    processes, samples = int(os.environ["WORLD_SIZE"]), recipe.calibration.samples
-    if samples < processes * BATCH_SIZE:
-        raise PtqError(f"{samples} calibration samples are too few for {processes} processes: each needs a batch "
-                       f"of {BATCH_SIZE}; set calibration.samples to {processes * BATCH_SIZE} or more")
+    check_samples_for(int(os.environ["WORLD_SIZE"]), recipe.calibration.samples)  # said once, before they start
 
 
 def quantize_as_helper(args, recipe, location, device) -> None:

@@ -107,19 +107,6 @@ def all_reduce_count(count: int) -> int:
     return int(all_reduce_(total)[0])
 
 
-def broadcast_(tensors: list[Tensor], source: int) -> None:
-    """Overwrite the tensors of every rank with those of rank `source` (same shapes and dtypes)."""
-    dist = _dist()
-    if not dist or dist.get_world_size() == 1:
-        return
-    for tensor in tensors:
-        device = _backend_device(tensor)
-        moved = tensor if tensor.device == device else tensor.to(device)
-        dist.broadcast(moved, src=source)
-        if moved is not tensor:
-            tensor.copy_(moved)
-
-
 def broadcast_object(value, source: int):
     """Rank `source`'s picklable value, on every rank (small things: shapes, messages)."""
     dist = _dist()
@@ -149,12 +136,6 @@ def _to_cpu(value):
     if hasattr(value, "__dataclass_fields__"):
         return replace(value, **{f: _to_cpu(getattr(value, f)) for f in value.__dataclass_fields__})
     return value
-
-
-def barrier() -> None:
-    dist = _dist()
-    if dist and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ptq.plan.accelerators import ACCELERATORS, Accelerator, _key
+from ptq.plan.render import _ms
+from ptq.report import format_rows
 
 BATCHES = (1, 4)
 PROMPTS = (64, 256)
@@ -178,14 +180,7 @@ def format_measurements(bench: EngineBench) -> str:
         rows.append((m.model, str(m.batch), str(m.prompt), str(m.new_tokens), _ms(m.ttft_s), _ms(m.ttft_bound_s),
                      f"{m.ttft_s / m.ttft_bound_s:,.1f}", _ms(m.tpot_s), _ms(m.tpot_bound_s),
                      f"{m.tpot_s / m.tpot_bound_s:,.1f}", f"{m.tokens_per_s:,.0f}", f"{m.peak_bytes / 1e6:,.0f} MB"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    out.insert(1, "-" * len(out[0]))
-    lines += out
+    lines.append(format_rows(rows))
     lines.append("x = measured / bound (the bound is the floor at the figures above: 1.0 would be perfect)")
     return "\n".join(lines)
 
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3g} ms" if ms < 10 else f"{ms:,.1f} ms"

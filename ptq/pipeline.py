@@ -193,15 +193,20 @@ def quantize(
     return model
 
 
+def check_samples_for(processes: int, samples: int) -> None:
+    """Every process needs at least one batch of calibration samples."""
+    if samples < processes * BATCH_SIZE:
+        raise PtqError(f"{samples} calibration samples are too few for {processes} processes: each needs a "
+                       f"batch of {BATCH_SIZE}; set calibration.samples to {processes * BATCH_SIZE} or more")
+
+
 def _own_share(batches: torch.Tensor, model: nn.Module, store, weights) -> torch.Tensor:
     """With several processes (ptq.distributed): this rank's slice of the calibration
     samples, in whole batches; what multi-process calibration cannot do yet is refused."""
     size = world_size()
     if size == 1:
         return batches
-    if batches.shape[0] < size * BATCH_SIZE:
-        raise PtqError(f"{batches.shape[0]} calibration samples are too few for {size} processes: each needs a "
-                       f"batch of {BATCH_SIZE}; set calibration.samples to {size * BATCH_SIZE} or more")
+    check_samples_for(size, batches.shape[0])
     if any(moe.has_experts(block) for block in find_blocks(model)[1]):
         raise PtqError("multi-process calibration does not combine the statistics of routed experts yet; "
                        "quantize MoE models in one process")

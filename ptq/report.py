@@ -108,9 +108,11 @@ def summary_table(
     return format_rows(rows)
 
 
-def format_rows(rows: list[tuple[str, str, str]]) -> str:
-    """Three columns, the first row a header underlined: what, before, after."""
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
+def format_rows(rows: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> str:
+    """Columns of text, the first row a header underlined: the columns numbered in `left`
+    aligned left, the others right (what, before, after in the summary)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ptq.calibration.data import load_texts
 from ptq.evaluate import EvalResult, check_windows, eval_windows, evaluate
+from ptq.report import format_rows
 
 BUNDLED = {"prose": None, "code": "slice-code.txt", "json": "slice-json.txt", "math": "slice-math.txt",
            "multilingual": "slice-multilingual.txt", "long": None}
@@ -75,7 +76,4 @@ def slices_table(results: list[SliceResult]) -> str:
         if compared:
             row += (f"{r.reference_perplexity:.3f}", f"{r.kl:.5f}", f"{100 * r.top1:.2f}%")
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return format_rows(rows)

@@ -91,15 +91,16 @@ def _awq_(
 def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torch.dtype) -> None:
     """AWQ's clipping of the mapping's balance Linears, searched on the first calibration
     batch: process 0's, whose ranges every process applies (ptq.distributed)."""
-    inputs = None
-    if is_main():  # smoothed now, as the weights are; a routed expert sees every token of the batch
+    clipped = [linear for name, linear in zip(m.mapping.balance, m.balance) if not name.endswith(NO_CLIP)]
+    found = None
+    if is_main() and clipped:  # smoothed now, as the weights are; a routed expert sees every token of the batch
         with moe.all_experts(run.block):
             inputs = run.first_input(m.balance[0]).float()
         inputs = inputs.reshape(-1, inputs.shape[-1])  # [tokens, in]
-    for name, linear in zip(m.mapping.balance, m.balance):
-        if not name.endswith(NO_CLIP):
-            found = awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype) if is_main() else None
-            apply_clip_(linear, share_from(found, 0))
+        found = [awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype) for linear in clipped]
+    if clipped:
+        for linear, max_val in zip(clipped, share_from(found, 0)):  # one message for the mapping
+            apply_clip_(linear, max_val)
 
 
 class _InspectedInputs:
@@ -135,6 +136,5 @@ class _InspectedInputs:
             local = make_module_loss(m.inspect, m.balance, self.calls.pop(i), args=args, scale_dtype=scale_dtype)
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
-        H = observer.value if observer.tokens else torch.zeros(m.channels, m.channels)  # [in, in]
-        gram = H * (observer.tokens / 2)  # Σ x xᵀ
+        gram = observer.value.mul_(observer.tokens / 2)  # [in, in]: Σ x xᵀ, in H's memory (read once)
         return make_linear_loss(m.balance[0].weight, gram, observer.tokens, args=args, scale_dtype=scale_dtype)

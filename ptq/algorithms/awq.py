@@ -148,7 +148,7 @@ def awq_search(
 
 
 def candidate_weights(W: Tensor, scales: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> Tensor:
-    """Q(W·diag(s))·diag(1/s) for each candidate s, rounded to W's dtype, in float32:
+    """Q(W·diag(s))·diag(1/s) for each candidate s, in W's dtype:
     [candidates, out, in] from W [out, in] and scales [candidates, in]. Group and channel
     schemes quantize the rows of all candidates in one call (their rows are independent)."""
     W = W.detach()
@@ -158,7 +158,7 @@ def candidate_weights(W: Tensor, scales: Tensor, args: QuantArgs, scale_dtype: t
         q = fake_quantize(scaled.view(-1, W.shape[1]), args, scale_dtype).view_as(scaled)
     else:  # one range over the whole tensor: each candidate on its own
         q = torch.stack([fake_quantize(one, args, scale_dtype) for one in scaled])
-    return (q / s).to(W.dtype).float()  # [c, out, in]
+    return (q / s).to(W.dtype)  # [c, out, in]
 
 
 def _chunks(scales: Tensor, weight_elements: int) -> tuple[Tensor, ...]:
@@ -184,7 +184,7 @@ def make_linear_loss(W: Tensor, gram: Tensor, tokens: int, *, args: QuantArgs,
     def loss(scales: Tensor) -> Tensor:
         sums = []
         for part in _chunks(scales, W.numel()):
-            dW = (candidate_weights(W, part, args, scale_dtype) - W32).view(-1, in_features)  # [c·out, in]
+            dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).view(-1, in_features)  # [c·out, in]
             dWG = torch.zeros_like(dW)  # [c·out, in]
             for a in range(0, in_features, GEMM_CHUNK):
                 dWG.addmm_(dW[:, a:a + GEMM_CHUNK], G[a:a + GEMM_CHUNK])
@@ -226,7 +226,7 @@ def make_module_loss(
         sums = []
         try:
             for part in _chunks(scales, elements):
-                candidates = [candidate_weights(W, part, args, scale_dtype).to(W.dtype) for W in originals]
+                candidates = [candidate_weights(W, part, args, scale_dtype) for W in originals]
                 for c in range(len(part)):
                     for linear, Wc in zip(balance, candidates):
                         linear.weight.data = Wc[c]  # [out, in]

@@ -222,12 +222,10 @@ def _lower_into_upper_(A: Tensor, B: Tensor, rows: int = 512) -> Tensor:
 
 
 def _restored(L: Tensor) -> Tensor:
-    """The matrix whose strict lower triangle L's strict upper one keeps (transposed, by
-    _inverse_cholesky), mirrored into its upper triangle; its diagonal is left to set."""
-    H = torch.empty_like(L, memory_format=torch.contiguous_format)  # [n, n]
-    _lower_into_upper_(L.t(), H)  # H's strict upper = L's: the kept lower triangle, transposed
-    _lower_into_upper_(H.t(), H.t())  # H's strict lower = its strict upper, transposed
-    return H
+    """A matrix whose strict lower triangle is the one L's strict upper triangle keeps
+    (transposed, by _inverse_cholesky): all the Cholesky reads; its diagonal is left to set,
+    its upper triangle is not H's."""
+    return L.t().clone(memory_format=torch.contiguous_format)  # [n, n]
 
 
 def _inverse_lower_(L: Tensor, block: int = 512) -> bool:

@@ -348,7 +348,8 @@ def run_blocks(
                     inputs = original_outputs
                 else:
                     inputs = outputs if outputs is not None else run.outputs()
-                inputs = [_with_hidden(args, kwargs, run.keep(_hidden_of(args, kwargs))) for args, kwargs in inputs]
+                if store != device:  # where process() computed the outputs itself (KV ranges)
+                    inputs = [_with_hidden(args, kwargs, run.keep(_hidden_of(args, kwargs))) for args, kwargs in inputs]
             if block_done is not None:
                 block_done(index, block, [_hidden_of(args, kwargs) for args, kwargs in inputs])
             if weights is not None:

@@ -62,21 +62,25 @@ def _fetch(value, device: torch.device | None, copy: bool):
     """value's tensors on device (kept on the CPU while activations wait there: see
     ptq.calibration.runner.activation_device); copies, unless copy is False and they are
     on device already."""
-    if isinstance(value, Tensor):
-        if device is not None and value.device != device:
-            return value.to(device)
-        return value.clone() if copy else value
-    if isinstance(value, tuple):
-        return tuple(_fetch(v, device, copy) for v in value)
-    return value
+    def one(t: Tensor) -> Tensor:
+        if device is not None and t.device != device:
+            return t.to(device)
+        return t.clone() if copy else t
+
+    return _map_tensors(one, value)
 
 
 def _kept(value, run: BlockRun):
     """value's tensors where the run's activations wait between passes."""
+    return _map_tensors(run.keep, value)
+
+
+def _map_tensors(fn, value):
+    """value (a tensor, a tuple of them, or anything else) with fn applied to its tensors."""
     if isinstance(value, Tensor):
-        return run.keep(value)
+        return fn(value)
     if isinstance(value, tuple):
-        return tuple(_kept(v, run) for v in value)
+        return tuple(_map_tensors(fn, v) for v in value)
     return value
 
 

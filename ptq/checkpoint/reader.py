@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ptq import moe
 from ptq.checkpoint.kv import KV_FILE, read_kv_state
+from ptq.checkpoint.shards import SAFETENSORS_DTYPES
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
 from ptq.export.formats import FOREIGN_METHODS, as_compressed_tensors
@@ -86,17 +87,18 @@ def load(
 
 def _load(folder: Path, device: torch.device, dtype: torch.dtype | None, backend: str) -> nn.Module:
     raw, qconfig = _read_config(folder)
+    stored = _stored_dtype(raw)
     tensors = None
     if qconfig is not None and qconfig.get("quant_method") in FOREIGN_METHODS:  # GPTQ, AWQ
         # read as their compressed-tensors form (ptq.export.formats), integers bit-exact
-        qconfig, tensors = as_compressed_tensors(qconfig, read_tensors(folder), _stored_dtype(raw))
+        qconfig, tensors = as_compressed_tensors(qconfig, read_tensors(folder), stored)
     groups = group_schemes(qconfig) if qconfig is not None else []
     ignore = _patterns((qconfig or {}).get("ignore") or [], "quantization_config ignore")
-    dtype = dtype or compute_dtype_for(device, _stored_dtype(raw))
+    dtype = dtype or compute_dtype_for(device, stored)
     tensors = StoredTensors(_files(folder)) if tensors is None else tensors
     # built in the stored dtype, as the model ptq quantized was: buffers computed at build time
     # (Gemma's embed_scale) get the same bits; parameters are assigned in `dtype` below
-    model = _skeleton(folder, _stored_dtype(raw))
+    model = _skeleton(folder, stored)
     kv = read_kv_state(folder, qconfig, tensors, model)  # takes the cache's scale tensors out of `tensors`
     groups, ignore, tensors = _moe_layout(model, groups, ignore, tensors)
     _replace_linears(model, groups, ignore, tensors, backend)
@@ -267,9 +269,7 @@ def _files(folder: Path) -> list[Path]:
 
 
 # safetensors' dtype names (the header's "dtype") as torch dtypes
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-          "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # safetensors' dtype names
 
 
 class StoredTensors(Mapping):

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ptq.export.gptq import unsigned_zeros
 from ptq.primitives import QuantizedWeight
 from ptq.schemes import QuantArgs
 
@@ -72,18 +73,10 @@ def to_awq(qw: QuantizedWeight) -> AwqTensors:
     """The AWQ tensors of a 4-bit, weight-only QuantizedWeight without g_idx (the caller checks
     shape_problem); symmetric weights get the zero 8. Scales are rounded to float16."""
     assert qw.g_idx is None and qw.args.num_bits == BITS, "AWQ: 4 bits, no activation order"
-    offset = 1 << (BITS - 1)
-    qweight = pack(qw.q.t().to(torch.int16) + offset)  # [in, out / 8]
-    zeros = torch.full(qw.scale.shape, offset, dtype=torch.int16, device=qw.scale.device) \
-        if qw.zero is None else qw.zero.to(torch.int16) + offset  # [out, groups]
-    qzeros = pack(zeros.t())  # [groups, out / 8]
+    qweight = pack(qw.q.t().to(torch.int16) + (1 << (BITS - 1)))  # [in, out / 8]
+    qzeros = pack(unsigned_zeros(qw).t())  # [groups, out / 8]
     scales = qw.scale.t().to(torch.float16).contiguous()  # [groups, out]
     return AwqTensors(qweight, qzeros, scales)
-
-
-def unsigned_zeros(tensors: AwqTensors) -> Tensor:
-    """The zero points [groups, out] (unsigned, int16) of one Linear's AWQ tensors."""
-    return unpack(tensors.qzeros)
 
 
 def from_awq(
@@ -91,11 +84,11 @@ def from_awq(
 ) -> QuantizedWeight:
     """ptq's QuantizedWeight of one Linear's AWQ tensors, integers as stored (bit-exact with
     to_awq). group_size None: one group per row (per channel). symmetric: every zero must
-    be 8 (the caller checks unsigned_zeros); the weight then carries no zero point."""
+    be 8 (the caller checks unpack(qzeros)); the weight then carries no zero point."""
     offset = 1 << (BITS - 1)
     args = QuantArgs(num_bits=BITS, symmetric=symmetric, strategy="group" if group_size else "channel",
                      group_size=group_size)
     q = (unpack(tensors.qweight) - offset).t().to(torch.int8).contiguous()  # [out, in]
     scale = tensors.scales.t().to(scale_dtype).contiguous()  # [out, groups]
-    zero = None if symmetric else (unsigned_zeros(tensors) - offset).t().to(torch.int8).contiguous()
+    zero = None if symmetric else (unpack(tensors.qzeros) - offset).t().to(torch.int8).contiguous()
     return QuantizedWeight(q, scale, zero, None, args)

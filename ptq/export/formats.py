@@ -287,7 +287,7 @@ def _tensor(tensors: dict[str, Tensor], key: str, dtypes: tuple[torch.dtype, ...
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _read_gptq(name: str, tensors: dict, qconfig: dict, settings: dict) -> QuantizedWeight:
+def _read_gptq(name: str, tensors: dict, settings: dict) -> QuantizedWeight:
     bits, group_size, fmt = settings["bits"], settings["group_size"], settings["checkpoint_format"]
     qweight = _tensor(tensors, f"{name}.qweight", (torch.int32,), 2)
     qzeros = _tensor(tensors, f"{name}.qzeros", (torch.int32,), 2)
@@ -319,7 +319,7 @@ def _read_gptq(name: str, tensors: dict, qconfig: dict, settings: dict) -> Quant
                           desc_act=settings["desc_act"])
 
 
-def _read_awq(name: str, tensors: dict, qconfig: dict, settings: dict) -> QuantizedWeight:
+def _read_awq(name: str, tensors: dict, settings: dict) -> QuantizedWeight:
     group_size = settings["group_size"]
     qweight = _tensor(tensors, f"{name}.qweight", (torch.int32,), 2)
     qzeros = _tensor(tensors, f"{name}.qzeros", (torch.int32,), 2)
@@ -394,7 +394,7 @@ def as_compressed_tensors(qconfig: dict, tensors: dict[str, Tensor], dtype: torc
         raise PtqError(f"quant_method is '{method}', but no tensor is named '<layer>.qweight'")
     tensors = dict(tensors)
     read = _read_gptq if method == "gptq" else _read_awq
-    weights = {name: read(name, tensors, qconfig, settings) for name in names}
+    weights = {name: read(name, tensors, settings) for name in names}
     if method == "awq":  # symmetric when every zero is 8: the weights then carry none
         symmetric = all(bool((w.zero == 0).all()) for w in weights.values())
         weights = {n: w.with_(zero=None, args=w.args.model_copy(update={"symmetric": True})) if symmetric else w

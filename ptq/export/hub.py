@@ -29,6 +29,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from ptq.checkpoint.output import MANIFEST, foreign_files
 from ptq.errors import PtqError
+from ptq.safetensors_check import shorten
 
 LOGIN = "set HF_TOKEN to a token with write access, or run `hf auth login`"
 OFFLINE = "HF_HUB_OFFLINE is set, so huggingface_hub makes no request: unset it to push to the Hub"
@@ -87,7 +88,7 @@ def _check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise PtqError(f"repo id {shown} is not valid on the Hub: {_one_line(str(error))}") from None
+        raise PtqError(f"repo id {shown} is not valid on the Hub: {shorten(error, 300)}") from None
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -122,11 +123,6 @@ def _literal(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 @contextmanager
 def _hub_errors(endpoint: str, repo_id: str) -> Iterator[None]:
     """huggingface_hub's failures as one-line PtqErrors that say what to do."""
@@ -137,11 +133,11 @@ def _hub_errors(endpoint: str, repo_id: str) -> Iterator[None]:
     except HfHubHTTPError as error:
         raise PtqError(_refusal(error, endpoint, repo_id)) from None
     except TransportError as error:
-        reason = _one_line(str(error)) or type(error).__name__
+        reason = shorten(error, 300) or type(error).__name__
         raise PtqError(f"cannot reach the Hugging Face Hub at {endpoint}: {reason}; check the network, HF_ENDPOINT "
                        "or HF_HUB_OFFLINE") from None
     except ValueError as error:  # the Hub's check of README.md's front matter (validate-yaml)
-        raise PtqError(f"the Hub refused the upload to '{repo_id}': {_one_line(str(error))}") from None
+        raise PtqError(f"the Hub refused the upload to '{repo_id}': {shorten(error, 300)}") from None
     except OSError as error:  # reading the checkpoint's files
         raise PtqError(f"cannot read the checkpoint to upload it: {error.strerror or error}") from None
 
@@ -149,7 +145,7 @@ def _hub_errors(endpoint: str, repo_id: str) -> Iterator[None]:
 def _refusal(error: HfHubHTTPError, endpoint: str, repo_id: str) -> str:
     """What an HTTP error of the Hub means for the user, in one line."""
     status = error.response.status_code if error.response is not None else None
-    said = _one_line(error.server_message or "") or f"HTTP {status}"
+    said = shorten(error.server_message or "", 300) or f"HTTP {status}"
     owner = repo_id.split("/")[0]
     if status == 401:
         return f"the Hub at {endpoint} did not accept the token ({said}): {LOGIN}"

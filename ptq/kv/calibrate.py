@@ -119,14 +119,16 @@ def calibrate_kv(model: nn.Module, batches: Tensor, spec: KVCacheScheme, *, devi
         return outputs
 
     run_blocks(model, blocks_path, batches, observe, device=device, show_progress=show_progress)
-    for seen in (observer.keys, observer.values):  # with several processes: the ranges of all their samples
-        for i in sorted(seen):
-            all_reduce_(seen[i], "max")
     layers, heads, _ = attention_shape(model.config)
     missing = [i for i in range(layers) if i not in observer.keys]
     if missing:
         raise PtqError(f"kv_cache: the attention of layer {missing[0]} never wrote to the cache during calibration; "
                        "the quantized cache cannot serve this model")
+    # with several processes: the ranges of all their samples, in one message
+    peaks = all_reduce_(torch.stack([torch.stack([observer.keys[i], observer.values[i]]) for i in range(layers)]),
+                        "max")  # [layers, 2, kv heads]
+    for i in range(layers):
+        observer.keys[i], observer.values[i] = peaks[i, 0], peaks[i, 1]
     k_scales, v_scales = [], []
     for i in range(layers):
         for seen, scales in ((observer.keys, k_scales), (observer.values, v_scales)):

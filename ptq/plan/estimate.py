@@ -148,12 +148,13 @@ class Estimate:
         return self.batch / self.tpot_s
 
 
-def weight_bytes(facts: ModelFacts, candidate: Candidate) -> tuple[int, int, int, int]:
-    """(total bytes, bytes of the embedding table, quantized Linears, their bytes) as ptq stores them."""
+def weight_bytes(facts: ModelFacts, candidate: Candidate) -> tuple[int, int, int, int, int]:
+    """(total bytes, bytes of the embedding table, quantized Linears, their bytes, their
+    weights' count) as ptq stores them."""
     from ptq.targets import matches
 
     model = facts.skeleton
-    quantized, linear_bytes, total = 0, 0, 0
+    quantized, linear_bytes, total, weights = 0, 0, 0, 0
     done = set()
     if candidate.scheme is not None:
         for name, lin in facts.linears.items():
@@ -166,10 +167,11 @@ def weight_bytes(facts: ModelFacts, candidate: Candidate) -> tuple[int, int, int
                                              dtype_bytes=facts.dtype_bytes, bias=lin.bias, g_idx=candidate.g_idx)
             quantized += 1
             linear_bytes += nbytes
+            weights += lin.out_features * lin.in_features
             done.update({f"{name}.weight", f"{name}.bias"})
     total = linear_bytes + sum(n * facts.dtype_bytes for name, n in facts.tensors.items() if name not in done)
     total += arithmetic.kv_scale_bytes(facts.attention, candidate.kv, facts.dtype_bytes)
-    return total, facts.tensors[facts.embedding] * facts.dtype_bytes, quantized, linear_bytes
+    return total, facts.tensors[facts.embedding] * facts.dtype_bytes, quantized, linear_bytes, weights
 
 
 def checkpoint_candidate(facts: ModelFacts) -> Candidate | None:
@@ -189,30 +191,30 @@ def checkpoint_candidate(facts: ModelFacts) -> Candidate | None:
 
 def estimate(facts: ModelFacts, acc: Accelerator, work: Workload, candidate: Candidate) -> Estimate:
     n, att = work.gpus, facts.attention
-    total, embed, quantized, qbytes = weight_bytes(facts, candidate)
+    total, embed, quantized, qbytes, qlinear_weights = weight_bytes(facts, candidate)
     if candidate.stored and facts.stored_bytes is not None:
         total = facts.stored_bytes  # what the files hold, exactly
-    qlinear_weights = _quantized_weight_count(facts, candidate) if quantized else 0
     bits = 8 * qbytes / qlinear_weights if qlinear_weights else 8.0 * facts.dtype_bytes
     kv_request = arithmetic.kv_bytes(att, work.context, candidate.kv, dtype_bytes=facts.dtype_bytes)
     kv_share = max(1, math.ceil(att.kv_heads / n)) / att.kv_heads  # of each request's cache, per GPU
     usable = work.utilization * acc.memory_gb * GB - work.workspace_gb * GB - total / n
     max_conc = max(0, math.floor(usable / (kv_request * kv_share)))
     read = total - (0 if facts.tied else embed)  # a decoding step reads one embedding row per request
+    active = _active_linear_weights(facts)
 
     def step(batch: int) -> tuple[float, float, float, float]:
         """(bytes, FLOPs, memory time, compute time) of one decoding step of `batch` requests at the context."""
         nbytes = read + batch * kv_request
-        linear = 2 * _active_linear_weights(facts) * batch
+        linear = 2 * active * batch
         attention = batch * arithmetic.decode_attention_flops(att, work.context)
         compute = linear / (n * _rate(acc, candidate)) + attention / (n * acc.rate("bf16"))
         return nbytes, linear + attention, nbytes / (n * acc.bandwidth_gbs * GB), compute
 
     batch = _batch(work, max_conc, step)
     nbytes, flops, t_mem, t_compute = step(max(batch, 1))
-    one = max(step(1)[2], step(1)[3])
+    one = max(step(1)[2:])
     p = work.prompt_tokens
-    linear = 2 * _active_linear_weights(facts) * p
+    linear = 2 * active * p
     attention = arithmetic.prefill_attention_flops(att, p)
     ttft_compute = linear / (n * _rate(acc, candidate)) + attention / (n * acc.rate("bf16"))
     ttft_memory = (read + kv_request * p / work.context) / (n * acc.bandwidth_gbs * GB)
@@ -236,18 +238,6 @@ def _active_linear_weights(facts: ModelFacts) -> float:
         share = facts.experts_fraction if ".experts." in name else 1.0
         total += lin.out_features * lin.in_features * share
     return total
-
-
-def _quantized_weight_count(facts: ModelFacts, candidate: Candidate) -> int:
-    from ptq.targets import matches
-
-    count = 0
-    for name, lin in facts.linears.items():
-        module = facts.skeleton.get_submodule(name)
-        if matches(name, module, candidate.targets) and not matches(name, module, candidate.ignore) \
-                and not (facts.tied and name == "lm_head"):
-            count += lin.out_features * lin.in_features
-    return count
 
 
 def _batch(work: Workload, max_conc: int, step) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ptq.errors import PtqError
+from ptq.report import format_rows
 from ptq.plan.accelerators import Accelerator
 from ptq.plan.estimate import GB, Estimate, Workload
 from ptq.plan.model import ModelFacts
@@ -58,12 +59,7 @@ def row(est: Estimate) -> tuple[str, ...]:
 
 
 def table(estimates: list[Estimate]) -> str:
-    rows = [COLUMNS] + [row(e) for e in estimates]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 10, 11) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             .rstrip() for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return format_rows([COLUMNS] + [row(e) for e in estimates], left=(0, 10, 11))
 
 
 def text(facts: ModelFacts, acc: Accelerator, work: Workload, estimates: list[Estimate], chosen: Estimate | None,
