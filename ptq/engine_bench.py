@@ -108,8 +108,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run_engine_bench(model: str, device: torch.device, *, checkpoint: str | None = None,
-                     batches=BATCHES, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> EngineBench:
-    """Time generate() on MODEL (and a quantized checkpoint of it) at each batch and prompt length."""
+                     batches=BATCHES, prompts=PROMPTS, new_tokens: int = NEW_TOKENS, facts=None) -> EngineBench:
+    """Time generate() on MODEL (and a quantized checkpoint of it) at each batch and prompt length;
+    facts: MODEL's ptq.plan.ModelFacts when the caller read them already (ptq plan --measure)."""
+    import dataclasses
+
     import ptq
     from ptq.devices import compute_dtype_for
     from ptq.models import load_tokenizer
@@ -120,7 +123,8 @@ def run_engine_bench(model: str, device: torch.device, *, checkpoint: str | None
     original, _ = ptq.load_model(model, device=device)
     dtype = compute_dtype_for(device, original.dtype)
     cast_parameters_(original, dtype)
-    models = [("original", original, read_model(model), Candidate("BF16"))]
+    # a copy: the bounds below read the weights in the compute dtype
+    models = [("original", original, dataclasses.replace(facts or read_model(model)), Candidate("BF16"))]
     if checkpoint is not None:
         facts = read_model(checkpoint)
         models.append((str(checkpoint), ptq.load(checkpoint, device=device), facts, checkpoint_candidate(facts)))

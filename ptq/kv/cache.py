@@ -205,7 +205,7 @@ class QuantizedKVLayer(DynamicLayer):
 
     def storage(self):
         """The quantized part as ptq.kernels.kv_attention.QuantizedKV (for the decode kernel)."""
-        from ptq.kernels.kv_attention import QuantizedKV
+        from ptq.kernels.kv_layout import QuantizedKV
 
         if self.spec.static:
             return QuantizedKV(kind=self.spec.kind, k=self.k_codes.data, v=self.v_codes.data,

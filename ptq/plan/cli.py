@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         render.plot(args.plot, acc, work, estimates)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     if args.measure:
-        _measure(args, work)
+        _measure(args, facts)
 
 
 def _plan_accelerator(args: argparse.Namespace):
@@ -107,10 +107,10 @@ def _plot_path(name: str) -> None:
         raise PtqError(PLOT_MISSING) from None
 
 
-def _measure(args: argparse.Namespace, work) -> None:
+def _measure(args: argparse.Namespace, facts) -> None:
     from ptq.engine_bench import format_measurements, run_engine_bench
 
     device = _device(args.device)
-    result = run_engine_bench(args.model, device, checkpoint=args.checkpoint)
+    result = run_engine_bench(args.model, device, checkpoint=args.checkpoint, facts=facts)
     print()
     print(format_measurements(result))
