@@ -15,7 +15,8 @@ never timed (a timing flips on a busy machine, and with it every result):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Set
+from collections.abc import Callable, Iterator, Set
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -130,3 +131,30 @@ def cpu_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ptq-cpu")
+
+
+def _on_one_thread(task: Callable):
+    if torch.get_num_threads() != 1:  # a pool thread keeps the count it first saw
+        torch.set_num_threads(1)
+    return task()
+
+
+def cpu_parallel(tasks: list[Callable], threads: int) -> list:
+    """Run independent tasks on `threads` Python threads, each task's torch ops on one
+    OpenMP thread; their results in order.
+
+    For work split into pieces whose bits must not depend on the thread count (each piece
+    computed by one single-threaded op), and that on a busy CPU should not wait on each
+    other: a thread that is descheduled holds up only its own piece, while the others take
+    the next ones. torch ops and ctypes calls let go of the GIL, so the threads run at once.
+    """
+    with cpu_threads(1):
+        if threads <= 1 or len(tasks) <= 1:
+            return [task() for task in tasks]
+        return list(_pool(threads).map(_on_one_thread, tasks))
+

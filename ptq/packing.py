@@ -42,6 +42,8 @@ def pack_int32(values: Tensor, bits: int) -> Tensor:
 
 def _pack_rows(values: Tensor, bits: int) -> Tensor:
     rows, n = values.shape
+    if 32 % bits == 0:  # 1, 2, 4, 8 bits: whole elements per word, no straddling
+        return _pack_whole(values, bits)
     chunks = math.ceil(n / 32)
     unsigned = values.to(torch.int64) + (1 << (bits - 1))  # [rows, n] in 0..2^bits-1
     unsigned = torch.nn.functional.pad(unsigned, (0, chunks * 32 - n)).view(rows, chunks, 32)
@@ -53,6 +55,20 @@ def _pack_rows(values: Tensor, bits: int) -> Tensor:
     words = stream[:, :, :bits].reshape(rows, chunks * bits)[:, : packed_width(n, bits)]
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement
     return words.to(torch.int32).contiguous()
+
+
+def _pack_whole(values: Tensor, bits: int) -> Tensor:
+    """_pack_rows when elements do not straddle words: element k of each word shifted by
+    k*bits and OR-ed in, in int32 (shifts wrap into the sign bit, as two's complement)."""
+    rows, n = values.shape
+    per_word = 32 // bits
+    unsigned = values.to(torch.int32) + (1 << (bits - 1))  # [rows, n] in 0..2^bits-1
+    unsigned = torch.nn.functional.pad(unsigned, (0, packed_width(n, bits) * per_word - n))
+    fields = unsigned.view(rows, -1, per_word)  # [rows, words, per_word]
+    words = fields[:, :, 0].clone()
+    for k in range(1, per_word):
+        words |= fields[:, :, k] << (k * bits)
+    return words
 
 
 def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ptq import moe
+from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
 from ptq.arch import check_linear_layers, check_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
@@ -168,6 +169,11 @@ def quantize(
         report.calibration_data = _describe_data(data)
     if device.type == "cpu":
         report.cpu = cpu_settings()
+        if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
+            why = gptq_loop_unavailable()
+            report.cpu["gptq_loop"] = "torch" if why else "compiled"
+            if why:
+                report.notes.append(f"GPTQ's column loop ran in torch, several times slower than compiled: {why}")
     if planned is not None:
         report.notes.extend(planned.notes())
     else:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ptq
-from ptq.algorithms.gptq import _inverse_cholesky
+from ptq.algorithms.cholesky import inverse_cholesky as _inverse_cholesky
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import (
     BF16_FLAGS,

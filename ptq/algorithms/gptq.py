@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ptq.algorithms.cholesky import inverse_cholesky
+from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
 from ptq.devices import cpu_threads
 from ptq.primitives import (
@@ -41,8 +43,6 @@ from ptq.schemes import QuantArgs
 
 ACTORDERS = ("none", "static", "group")
 SCALES = ("updated", "original")
-MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
-MAX_RETRIES = 4
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def gptq(
         perm = torch.argsort(diag, descending=True, stable=True)  # [in]
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
-    Hinv, used_damp, reason = _inverse_cholesky(_reversed_copy(H, order, dead), damp)  # [in, in] upper
+    Hinv, used_damp, reason = inverse_cholesky(_reversed_copy(H, order, dead), damp)  # [in, in] upper
     if Hinv is None:
         return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
 
@@ -151,14 +151,6 @@ def _check(
     num_groups(n, args)  # raises when group_size does not divide in
 
 
-def _damp_schedule(damp: float) -> list[float]:
-    """damp, then ten times more each retry, up to MAX_DAMP and MAX_RETRIES retries."""
-    steps = [damp]
-    while len(steps) <= MAX_RETRIES and steps[-1] < MAX_DAMP:
-        steps.append(min(max(steps[-1], 1e-3) * 10, MAX_DAMP))
-    return steps
-
-
 def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
     """J Hp J as a new float32 matrix: H [in, in] with rows and columns in processing order
     (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1. One gather,
@@ -167,100 +159,6 @@ def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
     Hr = H.detach()[reverse.unsqueeze(1), reverse.unsqueeze(0)].float()  # [in, in]
     Hr.diagonal().masked_fill_(dead[reverse], 1)
     return Hr
-
-
-def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
-    """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
-
-    H is the reversed matrix J H J (J reverses the order; see _reversed_copy), a copy this
-    function may change and frees. Returns (Hinv, λ, None), or (None, λ, reason) when no λ
-    works. Rather than invert H and factor the inverse, it factors J H J = L Lᵀ; then
-    H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and H⁻¹
-    itself is never formed.
-
-    Memory: two [in, in] matrices at most (H and L; on down_proj's Hessian, 5632², 127 MB
-    each), one once L is computed. The Cholesky reads only H's lower triangle: it is kept
-    in L's empty upper triangle (for a retry with more dampening), H is freed, and L⁻¹ and
-    then U are formed in L's memory (_inverse_lower_, _flip_).
-    """
-    if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
-        return None, damp, "the Hessian has non-finite entries"
-    base = H.diagonal().clone()  # [in]
-    mean = base.mean()
-    if not bool(mean > 0):
-        return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
-    cpu = H.device.type == "cpu"
-    for lam in _damp_schedule(damp):
-        H.diagonal().copy_(base).add_(mean * lam)
-        # on one CPU thread: LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round
-        # differently with the thread count, and GPTQ's rounding decisions amplify that
-        with cpu_threads(1) if cpu else contextlib.nullcontext():
-            L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
-            if int(info) != 0:
-                continue
-            _lower_into_upper_(H, L)
-            del H  # the caller's copy: its lower triangle lives on in L's upper one
-            finite = _inverse_lower_(L)
-        if finite:
-            return _flip_(L.tril_()), lam, None  # [in, in] upper
-        H = _restored(L)
-        del L
-    return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
-
-
-def _lower_into_upper_(A: Tensor, B: Tensor, rows: int = 512) -> Tensor:
-    """B's strict upper triangle = A's strict lower triangle, transposed ([n, n] both);
-    B's other entries stay. Returns B. Row blocks of A at a time (no [n, n] temporary)."""
-    n = A.shape[0]
-    Bt = B.t()  # [n, n] view: its strict lower triangle is B's strict upper one
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        Bt[r0:r1, :r0] = A[r0:r1, :r0]
-        below = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=A.device).tril_(-1)  # [rows, rows]
-        Bt[r0:r1, r0:r1] = torch.where(below, A[r0:r1, r0:r1], Bt[r0:r1, r0:r1])
-    return B
-
-
-def _restored(L: Tensor) -> Tensor:
-    """A matrix whose strict lower triangle is the one L's strict upper triangle keeps
-    (transposed, by _inverse_cholesky): all the Cholesky reads; its diagonal is left to set,
-    its upper triangle is not H's."""
-    return L.t().clone(memory_format=torch.contiguous_format)  # [n, n]
-
-
-def _inverse_lower_(L: Tensor, block: int = 512) -> bool:
-    """Replace the lower triangle (diagonal included) of L [n, n], lower triangular, with
-    that of L⁻¹, solved a block of columns at a time so that the zeros above the diagonal
-    cost nothing; L's strict upper triangle is neither read nor changed. Block k0 reads
-    only L[k0:, k0:], so its solution L⁻¹[k0:, k0:k1] overwrites columns no later block
-    reads. Returns whether every entry of L⁻¹ is finite."""
-    n = L.shape[0]
-    finite = True
-    for k0 in range(0, n, block):
-        k1 = min(k0 + block, n)
-        eye = torch.zeros(n - k0, k1 - k0, dtype=L.dtype, device=L.device)  # [n - k0, block]
-        eye.diagonal().fill_(1)
-        X = torch.linalg.solve_triangular(L[k0:, k0:], eye, upper=False)  # [n - k0, block]
-        finite = finite and bool(torch.isfinite(X).all())
-        L[k1:, k0:k1] = X[k1 - k0 :]
-        top = L[k0:k1, k0:k1]  # [block, block]: its strict upper triangle is not L's
-        top.copy_(torch.where(torch.ones_like(top, dtype=torch.bool).tril_(), X[: k1 - k0], top))
-    return finite
-
-
-def _flip_(A: Tensor, chunk: int = 1 << 20) -> Tensor:
-    """A.flip((0, 1)) in A's memory (returned), A [n, n] dense in either layout: reversing
-    both axes reverses the storage, swapped a chunk of elements at a time. The same
-    values and strides as flip's copy, without the copy."""
-    flat = A.t().reshape(-1) if A.stride(0) == 1 else A.view(-1)  # A's storage, in order
-    assert flat.data_ptr() == A.data_ptr() and flat.numel() == A.numel(), "A must be dense"
-    total = flat.numel()
-    for a in range(0, total // 2, chunk):
-        b = min(a + chunk, total // 2)
-        front = flat[a:b].clone()
-        flat[a:b] = flat[total - b : total - a].flip(0)
-        flat[total - b : total - a] = front.flip(0)
-    return A
 
 
 def _fallback(
@@ -388,7 +286,10 @@ def _solve(
     block_size: int,
     scales: str,
 ) -> tuple[Tensor, Tensor]:
-    """The column loop over Wt [in, out] (consumed), filling the grid: Qt [in, out] and Σ Losses."""
+    """The column loop over Wt [in, out] (consumed), filling the grid: Qt [in, out] and Σ Losses.
+
+    On a CPU, integer weights take the compiled loop (gptq_loop.c, via gptq_compiled) when
+    it was built: the same steps without an op dispatched per column."""
     cols, rows = Wt.shape
     device = Wt.device
     members_dev = members.to(device)
@@ -401,6 +302,20 @@ def _solve(
         grid.fit_(slice(None), Wt[members_dev], members_dev)
     else:
         first = {p: g for g, p in enumerate(members[:, 0].tolist())}
+    if loop_for(device, grid.args, grid.scale_dtype) == "compiled":
+        first_at = torch.full((cols,), -1, dtype=torch.long)  # [in]
+        first_at[list(first)] = torch.tensor(list(first.values()), dtype=torch.long)
+        blocks = BlockLoop(Wt, Hinv, Err1, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,
+                           grid.args, grid.scale_dtype, grid.observer, torch.get_num_threads())
+        for i1 in range(0, cols, block_size):
+            i2 = min(i1 + block_size, cols)
+            blocks.run(i1, i2)
+            E = Err1[: i2 - i1]  # [block, out]
+            loss += E.square().sum() / 2
+            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+        grid.scale.copy_(grid.scale_f)  # the compiled loop fills the float32 copy, in scale_dtype's values
+        return Qt, loss
+
     group_of = group.tolist()
     W_rows, Q_rows = Wt.unbind(0), Qt.unbind(0)  # [out] views, made once
     # On a CPU the column loop runs on one thread and only the lazy block updates (GEMMs)
@@ -409,7 +324,6 @@ def _solve(
     # solves on SmolLM2's shapes took half the time). The codes are the same at any count.
     cpu = device.type == "cpu"
     threads = torch.get_num_threads()
-
     with cpu_threads(1) if cpu else contextlib.nullcontext():
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)

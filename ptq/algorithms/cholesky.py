@@ -1,0 +1,191 @@
+"""GPTQ's factorisation: the upper Cholesky factor of H⁻¹, on blocks spread over threads.
+
+Rather than invert H and factor the inverse, it factors J H J = L Lᵀ (J reverses the
+order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and
+H⁻¹ itself is never formed.
+
+On a CPU, LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round differently with
+the thread count, and GPTQ's rounding decisions amplify that; on one thread they took a
+fifth of the GPTQ job on SmolLM2's shapes (issue 15). Here both are blocked by hand: every
+block operation (a Cholesky of a BLOCK-wide diagonal block, a triangular solve, a GEMM
+update) runs on one thread, the independent ones side by side on all threads
+(devices.cpu_parallel). The blocks are fixed by the matrix size alone, so the bits do not
+depend on the thread count.
+
+Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks. The
+factorisation reads only the lower triangle: the strict lower triangle of the original is
+first kept in the strict upper one, so that a retry with more dampening can restore it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import Tensor
+
+from ptq.devices import cpu_parallel, cpu_threads
+
+MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
+MAX_RETRIES = 4
+BLOCK = 256  # rows and columns of the factorisation's blocks
+
+
+def damp_schedule(damp: float) -> list[float]:
+    """damp, then ten times more each retry, up to MAX_DAMP and MAX_RETRIES retries."""
+    steps = [damp]
+    while len(steps) <= MAX_RETRIES and steps[-1] < MAX_DAMP:
+        steps.append(min(max(steps[-1], 1e-3) * 10, MAX_DAMP))
+    return steps
+
+
+def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
+    """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
+
+    H is the reversed matrix J H J (gptq._reversed_copy), a float32 copy this function
+    factors in place. Returns (Hinv, λ, None), or (None, λ, reason) when no λ works.
+    """
+    if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
+        return None, damp, "the Hessian has non-finite entries"
+    base = H.diagonal().clone()  # [in]
+    mean = base.mean()
+    if not bool(mean > 0):
+        return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
+    threads = torch.get_num_threads()
+    _lower_into_upper_(H)
+    for attempt, lam in enumerate(damp_schedule(damp)):
+        if attempt:
+            _upper_into_lower_(H)
+        H.diagonal().copy_(base).add_(mean * lam)
+        if cholesky_lower_(H, threads) and inverse_lower_(H, threads):
+            return flip_(H.tril_()), lam, None  # [in, in] upper
+    return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
+
+
+def _parallel(tasks: list, A: Tensor, threads: int) -> list:
+    """The tasks on the CPU's threads (one OpenMP thread each), or in turn on a GPU."""
+    if A.device.type == "cpu":
+        return cpu_parallel(tasks, threads)
+    return [task() for task in tasks]
+
+
+def _edges(n: int, block: int) -> list[int]:
+    return list(range(0, n, block)) + [n]
+
+
+def cholesky_lower_(A: Tensor, threads: int) -> bool:
+    """Factor A [n, n] = L Lᵀ in place from its lower triangle (diagonal included), which
+    becomes L; the strict upper triangle is neither read nor changed. Right-looking and
+    blocked: a diagonal block's Cholesky, the triangular solve of the blocks below it, and
+    the update of the lower triangle to their right, tile by tile. Returns False when A is
+    not positive definite (A's lower triangle then holds a partial factorisation).
+
+    On a GPU, whose factorisation does not depend on a thread count, one call does it all."""
+    if A.device.type != "cpu":
+        L, info = torch.linalg.cholesky_ex(A)
+        _set_lower_(A, L)
+        return int(info) == 0
+    edges = _edges(A.shape[0], BLOCK)
+    for k0, k1 in zip(edges, edges[1:]):
+        with cpu_threads(1):
+            L, info = torch.linalg.cholesky_ex(A[k0:k1, k0:k1])  # [b, b] lower
+        if int(info) != 0:
+            return False
+        _set_lower_(A[k0:k1, k0:k1], L)
+        below = list(zip(edges[edges.index(k1):], edges[edges.index(k1) + 1:]))
+        if not below:
+            return True
+
+        def solve(i0: int, i1: int) -> None:  # L[i, k] = A[i, k] L[k, k]⁻ᵀ
+            A[i0:i1, k0:k1] = torch.linalg.solve_triangular(L.mT, A[i0:i1, k0:k1], upper=True, left=False)
+
+        _parallel([functools.partial(solve, i0, i1) for i0, i1 in below], A, threads)
+
+        def update(i0: int, i1: int, j0: int, j1: int) -> None:  # A[i, j] -= L[i, k] L[j, k]ᵀ
+            product = A[i0:i1, k0:k1] @ A[j0:j1, k0:k1].t()  # [i1 - i0, j1 - j0]
+            if i0 == j0:  # a diagonal tile: its strict upper triangle is not the matrix's
+                product.tril_()
+            A[i0:i1, j0:j1] -= product
+
+        tiles = [(i0, i1, j0, j1) for i0, i1 in below for j0, j1 in below if j0 <= i0]
+        _parallel([functools.partial(update, *tile) for tile in tiles], A, threads)
+    return True
+
+
+def _set_lower_(target: Tensor, source: Tensor) -> None:
+    """target's lower triangle (diagonal included) = source's; its strict upper one stays."""
+    lower = torch.ones_like(target, dtype=torch.bool).tril_()
+    target.copy_(torch.where(lower, source, target))
+
+
+def inverse_lower_(L: Tensor, threads: int) -> bool:
+    """Replace the lower triangle (diagonal included) of L [n, n], lower triangular, with
+    that of L⁻¹; L's strict upper triangle is neither read nor changed. Returns whether
+    every entry of L⁻¹ is finite.
+
+    In place, a block column at a time from the right (as LAPACK's trtri): with X = L⁻¹
+    already in place right of column j1, X[i, j] = -(Σ_{j1 <= k <= i} X[i, k] L[k, j]) X[j, j]
+    for each row block i below j, X[j, j] = L[j, j]⁻¹. The row blocks are GEMMs side by
+    side on the threads, written back once all have read the column of L they share."""
+    n = L.shape[0]
+    edges = _edges(n, BLOCK)
+    blocks = list(zip(edges, edges[1:]))
+    finite = True
+    for j, (j0, j1) in reversed(list(enumerate(blocks))):
+        with cpu_threads(1) if L.device.type == "cpu" else contextlib.nullcontext():
+            eye = torch.eye(j1 - j0, dtype=L.dtype, device=L.device)
+            D = torch.linalg.solve_triangular(L[j0:j1, j0:j1], eye, upper=False)  # [b, b] lower
+
+        def row(i0: int, i1: int) -> Tensor:  # X[i, j] for row block [i0, i1)
+            diagonal = L[i0:i1, i0:i1].tril() @ L[i0:i1, j0:j1]  # X[i, i] is lower triangular
+            if i0 > j1:
+                diagonal += L[i0:i1, j1:i0] @ L[j1:i0, j0:j1]
+            return diagonal @ D.neg()
+
+        below = blocks[j + 1:]
+        rows = _parallel([functools.partial(row, i0, i1) for i0, i1 in below], L, threads)
+        for (i0, i1), X in zip(below, rows):
+            finite = finite and bool(torch.isfinite(X).all())
+            L[i0:i1, j0:j1] = X
+        finite = finite and bool(torch.isfinite(D).all())
+        _set_lower_(L[j0:j1, j0:j1], D)
+    return finite
+
+
+def _lower_into_upper_(A: Tensor, rows: int = 512) -> None:
+    """A's strict upper triangle = its strict lower triangle, transposed; a row block at a
+    time (no [n, n] temporary)."""
+    n = A.shape[0]
+    At = A.t()  # [n, n] view: its strict lower triangle is A's strict upper one
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        At[r0:r1, :r0] = A[r0:r1, :r0]
+        tile = At[r0:r1, r0:r1]
+        tile.copy_(torch.where(torch.ones_like(tile, dtype=torch.bool).tril_(-1), A[r0:r1, r0:r1], tile))
+
+
+def _upper_into_lower_(A: Tensor, rows: int = 512) -> None:
+    """The reverse of _lower_into_upper_: A's strict lower triangle from its strict upper one."""
+    n = A.shape[0]
+    At = A.t()
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        A[r0:r1, :r0] = At[r0:r1, :r0]
+        tile = A[r0:r1, r0:r1]
+        tile.copy_(torch.where(torch.ones_like(tile, dtype=torch.bool).tril_(-1), At[r0:r1, r0:r1], tile))
+
+
+def flip_(A: Tensor, chunk: int = 1 << 20) -> Tensor:
+    """A.flip((0, 1)) in A's memory (returned), A [n, n] dense in either layout: reversing
+    both axes reverses the storage, swapped a chunk of elements at a time. The same
+    values and strides as flip's copy, without the copy."""
+    flat = A.t().reshape(-1) if A.stride(0) == 1 else A.view(-1)  # A's storage, in order
+    assert flat.data_ptr() == A.data_ptr() and flat.numel() == A.numel(), "A must be dense"
+    total = flat.numel()
+    for a in range(0, total // 2, chunk):
+        b = min(a + chunk, total // 2)
+        front = flat[a:b].clone()
+        flat[a:b] = flat[total - b : total - a].flip(0)
+        flat[total - b : total - a] = front.flip(0)
+    return A

@@ -1,0 +1,282 @@
+/* GPTQ's column loop on a CPU, compiled: one block of columns for a slice of the rows.
+
+   The torch reference is ptq/algorithms/gptq.py (_solve, _Grid, _current) and
+   ptq/primitives.py (qparams_from_minmax, qparams_mse, _rounding_error): this file does the
+   same arithmetic in the same float32 steps, one row at a time, so that no op is dispatched
+   per column. Rows are independent given H⁻¹, so callers split them across threads, each
+   thread calling ptq_gptq_block on its own slice [r0, r1): what one row gets does not
+   depend on the split, the thread count or the vector width.
+
+   No fused multiply-add is formed (built with -ffp-contract=off), and every sum runs in a
+   fixed order, so the result is the same on every x86-64 or Arm CPU. It may differ from the
+   torch loop's in the last bit of an update (MKL's rank-1 update fuses its multiply-add),
+   hence in an occasional rounding decision near a tie.
+
+   Layout (as in gptq.py): Wt [cols, R] is the working weight transposed, row p the column
+   at position p in processing order; Hinv [cols, cols] the upper Cholesky factor of H⁻¹ in
+   processing order; E [block, R] the block's scaled errors; Qt [cols, R] the int8 codes;
+   scale, zero [groups, R] float32 (scale values exactly representable in the scale dtype). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTORIZED __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTORIZED
+#endif
+
+static const float ROUNDER = 12582912.0f; /* 1.5 * 2^23: x + R - R rounds |x| < 2^22 half to even */
+
+/* round half to even, then clamp to [lo, hi]. Exact for |x| < 2^22; larger |x| (and inf)
+   end beyond any 8-bit range and clamp as rint would. */
+static inline float round_clamp(float x, float lo, float hi) {
+    float r = (x + ROUNDER) - ROUNDER;
+    r = r < lo ? lo : r;
+    return r > hi ? hi : r;
+}
+
+static inline float to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (x finite) */
+    u &= 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline float to_scale_dtype(float x, int kind) {
+    if (kind == SCALE_BF16)
+        return to_bf16(x);
+#if defined(__FLT16_MAX__)
+    if (kind == SCALE_F16)
+        return (float)(_Float16)x;
+#endif
+    return x;
+}
+
+/* the smallest normal value of the scale dtype (torch.finfo(dtype).tiny) */
+static float tiny_of(int kind) { return kind == SCALE_F16 ? 6.103515625e-05f : 1.17549435e-38f; }
+
+typedef struct {
+    int64_t R, r0, n;      /* row stride, first row, rows in the slice */
+    int64_t hs0, hs1;      /* Hinv's strides: element [k, j] at k * hs0 + j * hs1 */
+    float qmin, qmax;
+    int32_t kind;          /* SCALE_* */
+    int32_t asym;
+} Shape;
+
+/* scale and zero of each row from its range [lo, hi] shrunk by `shrink` (qparams_from_minmax) */
+VECTORIZED static void params(const Shape *s, const float *lo, const float *hi, const float *shrink,
+                              float *scale, float *zero) {
+    const float tiny = tiny_of(s->kind);
+    const float span = s->qmax - s->qmin, half = (s->qmax - s->qmin) / 2;
+    for (int64_t r = 0; r < s->n; r++) {
+        float xmin = lo[r] * shrink[r], xmax = hi[r] * shrink[r];
+        xmin = xmin > 0 ? 0 : xmin;
+        xmax = xmax < 0 ? 0 : xmax;
+        float sc;
+        if (s->asym) {
+            sc = to_scale_dtype((xmax - xmin) / span, s->kind);
+            sc = sc < tiny ? tiny : sc;
+            zero[r] = round_clamp(s->qmin - xmin / sc, s->qmin, s->qmax);
+        } else {
+            float absmax = -xmin > xmax ? -xmin : xmax;
+            sc = to_scale_dtype(absmax / half, s->kind);
+            sc = sc < tiny ? tiny : sc;
+        }
+        scale[r] = sc;
+    }
+}
+
+/* Σ_m importance[m] (x_m - dequantize(quantize(x_m)))² per row (primitives._rounding_error) */
+VECTORIZED static void rounding_error(const Shape *s, const float *x, int64_t size, const float *importance,
+                                      const float *scale, const float *zero, float *error) {
+    for (int64_t r = 0; r < s->n; r++)
+        error[r] = 0;
+    for (int64_t m = 0; m < size; m++) {
+        const float *xm = x + m * s->n;
+        const float w = importance ? importance[m] : 1.0f;
+        for (int64_t r = 0; r < s->n; r++) {
+            float t = xm[r] / scale[r];
+            if (s->asym)
+                t = t + zero[r];
+            t = round_clamp(t, s->qmin, s->qmax);
+            if (s->asym)
+                t = t - zero[r];
+            float d = t * scale[r] - xm[r];
+            d = d * d;
+            error[r] += importance ? d * w : d;
+        }
+    }
+}
+
+/* The group's columns as they stand at position p (gptq._current): members inside the
+   block are up to date in Wt; later ones still miss the block's pending update,
+   -Σ_{k in [i1, p)} Hinv[k, P] E[k - i1]. Copied into x [size, n]. */
+VECTORIZED static void current(const Shape *s, const float *Wt, const float *Hinv, const float *E,
+                               const int64_t *pos, int64_t size, int64_t i1, int64_t i2, int64_t p,
+                               float *x, float *acc) {
+    for (int64_t m = 0; m < size; m++) {
+        const int64_t P = pos[m];
+        float *xm = x + m * s->n;
+        memcpy(xm, Wt + P * s->R + s->r0, (size_t)s->n * sizeof(float));
+        if (P < i2 || p == i1)
+            continue;
+        for (int64_t r = 0; r < s->n; r++)
+            acc[r] = 0;
+        for (int64_t k = i1; k < p; k++) {
+            const float h = Hinv[k * s->hs0 + P * s->hs1];
+            const float *e = E + (k - i1) * s->R + s->r0;
+            for (int64_t r = 0; r < s->n; r++)
+                acc[r] += h * e[r];
+        }
+        for (int64_t r = 0; r < s->n; r++)
+            xm[r] -= acc[r];
+    }
+}
+
+/* Parameters of one group from its current columns x [size, n] (qparams_mse, or min-max
+   when ncandidates is 1 with the candidate 1.0): the first candidate, then each later one
+   where its error is strictly lower, then (mse) the two beside the best by ±fine. */
+static int fit(const Shape *s, const float *x, int64_t size, const float *importance, const float *candidates,
+               int64_t ncandidates, float fine, float *scale, float *zero) {
+    const int64_t n = s->n;
+    float *buf = malloc((size_t)n * 9 * sizeof(float));
+    if (!buf)
+        return 1;
+    float *lo = buf, *hi = lo + n, *shrink = hi + n, *sc = shrink + n, *zr = sc + n, *err = zr + n;
+    float *best_err = err + n, *best_shrink = best_err + n, *center = best_shrink + n;
+    for (int64_t r = 0; r < n; r++) {
+        lo[r] = x[r];
+        hi[r] = x[r];
+    }
+    for (int64_t m = 1; m < size; m++) {
+        const float *xm = x + m * n;
+        for (int64_t r = 0; r < n; r++) {
+            lo[r] = xm[r] < lo[r] ? xm[r] : lo[r];
+            hi[r] = xm[r] > hi[r] ? xm[r] : hi[r];
+        }
+    }
+    const int search = fine > 0;
+    const int64_t steps = ncandidates + (search ? 2 : 0);
+    for (int64_t c = 0; c < steps; c++) {
+        if (c < ncandidates) {
+            for (int64_t r = 0; r < n; r++)
+                shrink[r] = candidates[c];
+        } else {
+            if (c == ncandidates)
+                memcpy(center, best_shrink, (size_t)n * sizeof(float));
+            const float step = c == ncandidates ? fine : -fine;
+            for (int64_t r = 0; r < n; r++) {
+                const float f = center[r] + step;
+                shrink[r] = f > 1.0f ? 1.0f : f;
+            }
+        }
+        params(s, lo, hi, shrink, sc, zr);
+        if (steps == 1) { /* min-max: no error to compare */
+            memcpy(scale, sc, (size_t)n * sizeof(float));
+            if (s->asym)
+                memcpy(zero, zr, (size_t)n * sizeof(float));
+            break;
+        }
+        rounding_error(s, x, size, importance, sc, zr, err);
+        for (int64_t r = 0; r < n; r++) {
+            if (c == 0 || err[r] < best_err[r]) {
+                best_err[r] = err[r];
+                best_shrink[r] = shrink[r];
+                scale[r] = sc[r];
+                if (s->asym)
+                    zero[r] = zr[r];
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* Round column w [n] with its group's scale and zero into q; the scaled error
+   (w - dequantized) / pivot into e (gptq._Grid.round_column, then _solve). */
+VECTORIZED static void round_column(const Shape *s, const float *w, const float *scale, const float *zero,
+                                    float pivot, int8_t *q, float *e) {
+    for (int64_t r = 0; r < s->n; r++) {
+        float t = w[r] / scale[r];
+        if (s->asym)
+            t = t + zero[r];
+        t = round_clamp(t, s->qmin, s->qmax);
+        q[r] = (int8_t)(int32_t)t;
+        if (s->asym)
+            t = t - zero[r];
+        const float dq = to_scale_dtype(t * scale[r], s->kind);
+        e[r] = (w[r] - dq) / pivot;
+    }
+}
+
+/* Wt[k] -= h * e for the block's later columns k (gptq._solve's addr_) */
+VECTORIZED static void update(float *w, const float *e, float h, int64_t n) {
+    for (int64_t r = 0; r < n; r++)
+        w[r] = w[r] - h * e[r];
+}
+
+/* GPTQ's column loop over positions [i1, i2) for rows [r0, r1): quantizes each column into
+   Qt, its scaled error into E, and moves the block's later columns by it; at a position
+   where first_group names a group, fits that group's parameters first.
+   group_of [cols], first_group [cols] (-1: none), members [groups, size] (positions,
+   ascending), importance [cols] (diag H in processing order; NULL: all alike).
+   candidates [ncandidates]: the shrink factors tried (mse: MSE_COARSE; min-max: {1.0});
+   fine > 0: the mse search's fine step. Returns 0, or 1 when memory ran out. */
+int ptq_gptq_block(float *Wt, int64_t R, int64_t r0, int64_t r1, const float *Hinv, int64_t hs0, int64_t hs1,
+                   int64_t i1,
+                   int64_t i2, float *E, int8_t *Qt, const int64_t *group_of, const int64_t *first_group,
+                   const int64_t *members, int64_t size, const float *importance, float *scale, float *zero,
+                   int32_t kind, float qmin, float qmax, const float *candidates, int64_t ncandidates,
+                   float fine) {
+    const Shape s = {R, r0, r1 - r0, hs0, hs1, qmin, qmax, kind, zero != NULL};
+    if (s.n <= 0)
+        return 0;
+    float *x = NULL, *acc = NULL, *imp = NULL;
+    int status = 0;
+    for (int64_t p = i1; p < i2 && status == 0; p++) {
+        const int64_t fg = first_group[p];
+        if (fg >= 0) {
+            const int64_t *pos = members + fg * size;
+            if (!x) {
+                x = malloc((size_t)(size * s.n + s.n + size) * sizeof(float));
+                if (!x) {
+                    status = 1;
+                    break;
+                }
+                acc = x + size * s.n;
+                imp = acc + s.n;
+            }
+            current(&s, Wt, Hinv, E, pos, size, i1, i2, p, x, acc);
+            if (importance)
+                for (int64_t m = 0; m < size; m++)
+                    imp[m] = importance[pos[m]];
+            status = fit(&s, x, size, importance ? imp : NULL, candidates, ncandidates, fine,
+                         scale + fg * R + r0, zero ? zero + fg * R + r0 : NULL);
+            if (status)
+                break;
+        }
+        const int64_t g = group_of[p];
+        float *e = E + (p - i1) * R + r0;
+        round_column(&s, Wt + p * R + r0, scale + g * R + r0, zero ? zero + g * R + r0 : NULL,
+                     Hinv[p * hs0 + p * hs1], Qt + p * R + r0, e);
+        for (int64_t k = p + 1; k < i2; k++)
+            update(Wt + k * R + r0, e, Hinv[p * hs0 + k * hs1], s.n);
+    }
+    free(x);
+    return status;
+}
+
+/* 1 when this build converts to float16 exactly (the compiler has _Float16), else 0 */
+int ptq_gptq_has_float16(void) {
+#if defined(__FLT16_MAX__)
+    return 1;
+#else
+    return 0;
+#endif
+}
