@@ -6,9 +6,9 @@ Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibrati
   (scores and weighted sum over the whole sequence, as the CPU kernels compute it), in
   the compute dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
 - Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
-  diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or
-  twice the FLOPs at the bf16 rate where ptq splits bf16 products in two GEMMs (the
-  cheaper counts);
+  diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or at
+  the bf16 rate where ptq multiplies bf16 values in bf16 with float32 sums (the faster
+  counts);
 
 and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
@@ -115,7 +115,7 @@ def hessian_macs(n: int) -> float:
 
 def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
     """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens."""
-    from ptq.devices import bf16_products_split_exactly, compute_dtype_for
+    from ptq.devices import bf16_valued_gemms_exact, compute_dtype_for
 
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head = getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -131,8 +131,8 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
 
     def hessian_seconds(n: int) -> float:
         rate = rates.gemm(n, m, n, torch.float32)
-        if dtype == torch.bfloat16 and bf16_products_split_exactly("cpu"):
-            rate = max(rate, rates.gemm(n, m, n, torch.bfloat16) / 2)
+        if dtype == torch.bfloat16 and bf16_valued_gemms_exact():
+            rate = max(rate, rates.gemm(n, m, n, torch.bfloat16))
         return 2 * tokens * hessian_macs(n) / rate
 
     hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones

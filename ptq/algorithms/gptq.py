@@ -28,7 +28,7 @@ from torch import Tensor
 from ptq.algorithms.cholesky import inverse_cholesky
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
-from ptq.devices import cpu_threads
+from ptq.devices import cpu_threads, float32_gemms
 from ptq.primitives import (
     FP8_DTYPE,
     FP8_MAX,
@@ -83,6 +83,12 @@ def gptq(
     dampening, the result is round-to-nearest with `fallback` saying why.
     """
     _check(W, H, args, block_size, damp, actorder, scales, observer)
+    with float32_gemms("ieee"):  # GPTQ's float32 GEMMs stay float32 whatever the caller set
+        return _gptq(W, H, args, scale_dtype, block_size, damp, actorder, scales, observer)
+
+
+def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block_size: int, damp: float,
+          actorder: str, scales: str, observer: str) -> GPTQResult:
     diag = H.detach().diagonal().float()  # [in]
     dead = diag == 0  # [in]: inputs that were always zero
     diag = diag.masked_fill(dead, 1)  # dead inputs are pinned to 1, as in the factorised copy

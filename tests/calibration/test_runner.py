@@ -7,7 +7,7 @@ from torch import nn
 
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
-from ptq.devices import bf16_products_split_exactly, split_bf16_product
+from ptq.devices import float32_gemms
 from ptq.calibration.runner import run_blocks
 from ptq.calibration.sequential import execution_stages
 from tests.conftest import tiny_config, tiny_model
@@ -114,15 +114,16 @@ def test_hessian_of_bf16_inputs_is_float32_accurate(features):
     assert float((observer.value.double() - exact).abs().max() / exact.abs().max()) < 1e-5
 
 
-def test_split_bf16_product_recovers_the_rounding():
+def test_bf16_valued_gemms_are_float32_accurate():
+    # float32 GEMMs of bf16 values multiplied in bf16: exact products, float32 sums
     g = torch.Generator().manual_seed(4)
-    a, b = torch.randn(300, 700, generator=g).bfloat16(), torch.randn(700, 200, generator=g).bfloat16()
+    a, b = torch.randn(300, 2048, generator=g).bfloat16(), torch.randn(2048, 200, generator=g).bfloat16()
     exact = a.double() @ b.double()  # [300, 200]
-    hi, lo = split_bf16_product(a, b)
-    scale = exact.abs().max()
-    assert float((hi.double() - exact).abs().max() / scale) > 2**-12  # one bf16 GEMM alone is coarse
-    split_error = float((hi.double() + lo.double() - exact).abs().max() / scale)
-    assert (split_error < 2**-14) == bf16_products_split_exactly("cpu")
+    assert float(((a @ b).double() - exact).abs().max() / exact.abs().max()) > 2**-12  # a bf16 GEMM's output is coarse
+    with float32_gemms("bf16"):
+        product = a.float() @ b.float()
+    assert float((product.double() - exact).abs().max() / exact.abs().max()) < 2**-18
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored after the block
 
 
 def test_stop_at_ends_the_pass_early():
