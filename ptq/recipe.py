@@ -237,6 +237,11 @@ class AWQStep(TransformStep):
     n_grid: int = Field(default=20, ge=2, le=1000, description="scale ratios searched, 2..1000")
     duo_scaling: bool | Literal["both"] = True
     clip: bool = True  # also search a per-group clipping range (not for q/k)
+    # what the search minimises: "module", the output error of the module each mapping
+    # inspects (attention, MLP; AutoAWQ, llm-compressor), one forward pass of it per
+    # candidate; "linear", each balance Linear's own output error, the AWQ paper's
+    # objective, computed exactly from its inputs' Gram matrix with no forward pass
+    loss: Literal["module", "linear"] = "module"
 
 
 class Recipe(Strict):

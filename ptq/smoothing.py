@@ -9,6 +9,8 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 from torch import nn
 
@@ -68,7 +70,9 @@ def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQu
 def _awq_(
     run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype
 ) -> dict[str, str]:
-    inspected = _InspectedInputs(mappings)
+    # "linear": the balance Linears of a mapping read one input (a pair whose smooth op feeds
+    # a router, the only way routed experts could share one, is refused: moe.router_reads)
+    inspected = _InspectedInputs(mappings, range(len(mappings)) if step.loss == "linear" else ())
     try:
         observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
     finally:
@@ -82,7 +86,8 @@ def _awq_(
         apply_awq_(m.smooth, m.balance, result.scales, rows=m.rows, weight_offset=m.weight_offset)
         ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
-        done[m.mapping.describe()] = f"awq ratio {ratio}, output error -{100 * gain:.0f}%"
+        what = "Linear output error" if step.loss == "linear" else "output error"
+        done[m.mapping.describe()] = f"awq ratio {ratio}, {what} -{100 * gain:.0f}%"
         if step.clip:
             _clip_(run, m, args, scale_dtype)
     return done
@@ -105,23 +110,26 @@ def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torc
 
 class _InspectedInputs:
     """What each mapping's loss needs of its inspected module's inputs, gathered by forward
-    pre-hooks during the statistics pass: the Gram matrix Σ x xᵀ where the inspected module
-    is the one balance Linear (ptq.algorithms.awq.make_linear_loss), else the cached
-    (args, kwargs) of every batch (make_module_loss)."""
+    pre-hooks during the statistics pass: the Gram matrix Σ x xᵀ of the balance Linears'
+    shared input where the loss is theirs (the inspected module is the one balance Linear,
+    or the mapping's index is in per_linear: AWQStep.loss "linear"; make_linear_loss, summed
+    over the balance Linears), else the cached (args, kwargs) of every batch (make_module_loss)."""
 
-    def __init__(self, mappings: list[ResolvedMapping]) -> None:
+    def __init__(self, mappings: list[ResolvedMapping], per_linear: Container[int] = ()) -> None:
         self.mappings = mappings
         self.grams: dict[int, HessianObserver] = {}
         self.calls: dict[int, list] = {}
         self.handles = []
         for i, m in enumerate(mappings):
-            if len(m.balance) == 1 and m.inspect is m.balance[0]:
+            if i in per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
                 self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
                 hook = lambda _m, a, kw, o=self.grams[i]: o.update(a[0])  # noqa: E731
+                hooked = m.balance[0]  # the balance Linears read one input
             else:
                 self.calls[i] = []
                 hook = lambda _m, a, kw, c=self.calls[i]: c.append((a, kw))  # noqa: E731
-            self.handles.append(m.inspect.register_forward_pre_hook(hook, with_kwargs=True))
+                hooked = m.inspect
+            self.handles.append(hooked.register_forward_pre_hook(hook, with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -137,4 +145,6 @@ class _InspectedInputs:
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
         gram = observer.value.mul_(observer.tokens / 2)  # [in, in]: Σ x xᵀ, in H's memory (read once)
-        return make_linear_loss(m.balance[0].weight, gram, observer.tokens, args=args, scale_dtype=scale_dtype)
+        losses = [make_linear_loss(b.weight, gram, observer.tokens, args=args, scale_dtype=scale_dtype)
+                  for b in m.balance]
+        return losses[0] if len(losses) == 1 else lambda scales: sum(loss(scales) for loss in losses)

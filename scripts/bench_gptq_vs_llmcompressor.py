@@ -20,8 +20,10 @@ Phases, each printing a table:
 1. GPTQ (actorder static): wall time end to end (load, calibrate, quantize, save), ptq's
    quantize time, the time inside the GPTQ solves, peak RSS, perplexity;
 2. AWQ (grid 20, duo scaling, then round to nearest; --awq-clip adds ptq's clipping
-   search): ptq's AWQ search beside its GPTQ solves on the same model, and
-   llm-compressor's AWQ (which on a CPU may raise: its error line is the row);
+   search): ptq's AWQ search with each loss (module: the inspected attention or MLP's
+   output, as llm-compressor; linear: the balance Linears' own outputs, from Gram
+   matrices) beside its GPTQ solves on the same model, and llm-compressor's AWQ (which
+   on a CPU may raise: its error line is the row);
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
    here for its kind of operation, against ptq's quantize time;
 4. under load (--load-model): ptq's GPTQ and llm-compressor's (at its faster dtype) with
@@ -112,8 +114,9 @@ def ptq_recipe(method: str, samples: int, seq_len: int, group_size: int, options
         gptq = {"scheme": scheme, "actorder": "static"}
         gptq.update({k: v for k, v in options.items() if k not in calibration and k != "awq_clip"})
         steps = [{"gptq": gptq}]
-    else:
-        steps = [{"awq": {"n_grid": 20, "duo_scaling": True, "clip": bool(options.get("awq_clip"))}},
+    else:  # "awq" (loss: module, as llm-compressor) or "awq-linear" (loss: linear)
+        loss = "linear" if method == "awq-linear" else "module"
+        steps = [{"awq": {"n_grid": 20, "duo_scaling": True, "clip": bool(options.get("awq_clip")), "loss": loss}},
                  {"rtn": {"scheme": scheme, "targets": ["Linear"], "ignore": ["lm_head"]}}]
     return parse_recipe({"calibration": calibration, "steps": steps})
 
@@ -176,7 +179,7 @@ def timed_runs(args, cases: list[tuple[str, str, str, str]]) -> dict[tuple, list
             print(f"[{time.strftime('%H:%M:%S')}] {tool} {method} ({dtype}) on {name} "
                   f"({repeat + 1}/{args.repeats}) ...", flush=True)
             result = run_worker(args, tool, method, name, dtype)
-            if name == "bundled" and "error" not in result and repeat == args.repeats - 1:
+            if name == "bundled" and "error" not in result and repeat == args.repeats - 1:  # held-out text
                 result["ppl"] = perplexity(result["out"])
             results[case].append(result)
             print(f"  {json.dumps(result)}", flush=True)
@@ -223,13 +226,15 @@ def gptq_table(args, results) -> None:
 def awq_table(args, results) -> None:
     clip = "with ptq's clipping search" if args.awq_clip else "no clipping"
     print(f"\nAWQ W4A16 (grid 20, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
-    print(f"{'model':8} {'tool':14} {'dtype':15} {'wall s':>7} {'AWQ search':>10} {'ptq GPTQ solves':>15} "
+    print(f"{'model':8} {'tool':20} {'dtype':15} {'wall s':>7} {'AWQ search':>10} {'ptq GPTQ solves':>15} "
           f"{'search/solves':>13} {'ppl':>7}")
-    for name, tool, dtype, runs in _runs_of(results, "awq"):
-        solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
-        search = median(runs, "awq") if tool == "ptq" else float("nan")
-        print(f"{name:8} {tool:14} {dtype_shown(tool, dtype, runs):15} {median(runs, 'wall'):7.1f} {search:10.1f} "
-              f"{solves:15.1f} {search / solves:12.2f}x {runs[-1].get('ppl', float('nan')):7.3f}")
+    for method, label in (("awq", "loss: module"), ("awq-linear", "loss: linear")):
+        for name, tool, dtype, runs in _runs_of(results, method):
+            solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
+            search = median(runs, "awq") if tool == "ptq" else float("nan")
+            shown = f"{tool} ({label})" if tool == "ptq" else tool
+            print(f"{name:8} {shown:20} {dtype_shown(tool, dtype, runs):15} {median(runs, 'wall'):7.1f} "
+                  f"{search:10.1f} {solves:15.1f} {search / solves:12.2f}x {runs[-1].get('ppl', float('nan')):7.3f}")
 
 
 def floor_table(args, results) -> dict[str, float]:
@@ -300,10 +305,11 @@ def goals(args, results, floor_ratios, slowdowns) -> None:
                 rows.append((f"perplexity <= llm-compressor's, {name}", f"{mine:.3f} vs {theirs:.3f}", mine <= theirs))
         rows.append((f"quantize within {GOALS['floor']:g}x of the floor, {name}", f"{floor_ratios[name]:.2f}x",
                      floor_ratios[name] <= GOALS["floor"]))
-        if (name, "ptq", "awq", "auto") in results:
-            search, solves = median(results[(name, "ptq", "awq", "auto")], "awq"), median(ptq_runs, "gptq")
-            rows.append((f"AWQ search <= GPTQ solves, {name}", f"{search:.1f} s vs {solves:.1f} s "
-                         f"({search / solves:.2f}x)", search <= solves))
+        for method, loss in (("awq", "module"), ("awq-linear", "linear")):
+            if (name, "ptq", method, "auto") in results:
+                search, solves = median(results[(name, "ptq", method, "auto")], "awq"), median(ptq_runs, "gptq")
+                rows.append((f"AWQ search (loss: {loss}) <= GPTQ solves, {name}", f"{search:.1f} s vs {solves:.1f} s "
+                             f"({search / solves:.2f}x)", search <= solves))
     if "ptq" in slowdowns:
         mine = slowdowns["ptq"][1] / slowdowns["ptq"][0]
         rows.append((f"slowdown under load <= {GOALS['load']:g}x, {args.load_model}", f"{mine:.2f}x",
@@ -364,8 +370,9 @@ def main() -> None:
     args.paths = prepare(args.work, args.models, args.tokens)
     llmc = [("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else []
     cases = [(name, tool, "gptq", dtype) for name in args.models for tool, dtype in [("ptq", "auto")] + llmc]
-    cases += [(name, tool, "awq", dtype) for name in args.awq_models
-              for tool, dtype in [("ptq", "auto")] + llmc[:1]]
+    cases += [(name, tool, method, dtype) for name in args.awq_models
+              for tool, method, dtype in [("ptq", "awq", "auto"), ("ptq", "awq-linear", "auto")]
+              + [(tool, "awq", dtype) for tool, dtype in llmc[:1]]]
     results = timed_runs(args, cases)
     gptq_table(args, results)
     awq_table(args, results)

@@ -428,6 +428,17 @@ def test_awq_and_smoothquant_use_the_moe_tables(family, step, tokenizer):
         assert torch.equal(params[name], weight.to(params[name].dtype)), name
 
 
+def test_awq_linear_loss_on_experts(tokenizer):
+    # each routed expert's up -> down pair is scored on its own routed tokens' Gram matrix
+    model = moe_model("mixtral")
+    recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 32},
+                           "steps": [{"awq": {"n_grid": 4, "loss": "linear"}}, {"rtn": {"scheme": "W4A16"}}]})
+    ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
+    smoothing = model.ptq_report.smoothing
+    assert sorted(pair.partition(": ")[2] for pair in smoothing) == sorted(2 * TABLE_PAIRS["mixtral"][0])
+    assert all(", Linear output error -" in how for how in smoothing.values())
+
+
 def test_an_expert_without_tokens_is_left_unsmoothed(tokenizer):
     model = moe_model("mixtral")
     _never_route_to(model, 3)

@@ -117,6 +117,7 @@ W4 = {"rtn": {"scheme": "W4A16"}}
         ({"steps": [{"gptq": {"scheme": "W4A16", "block_size": 10**6}}]}, "block_size: Input should be less than or equal to 65536"),
         ({"steps": [{"gptq": {"scheme": "W4A16", "damp": float("nan")}}]}, "damp: Input should be a finite number"),
         ({"steps": [{"awq": {"n_grid": 10**6}}, W4]}, "steps.0.awq: n_grid: Input should be less than or equal to 1000"),
+        ({"steps": [{"awq": {"loss": "linar"}}, W4]}, "steps.0.awq: loss: Input should be 'module' or 'linear' (got 'linar')"),
         ({"steps": [{"smoothquant": {"alpha": float("nan")}}, W4]}, "alpha: Input should be a finite number"),
         # the shape of smoothing mappings
         ({"steps": [{"awq": {"mappings": [{"smooth": "a", "balance": ["b"], "inspct": "c"}]}}, W4]},

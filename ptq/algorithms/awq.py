@@ -25,7 +25,10 @@ forward pass: from the Gram matrix G = Σ x xᵀ of its inputs each candidate co
 multiply-adds (`make_linear_loss`) instead of tokens·in·out. Other inspected modules
 (attention, MLP) take one forward pass of every cached batch per candidate
 (`make_module_loss`): tokens·(that module's FLOPs per token) per candidate, by far the
-largest cost of the search.
+largest cost of the search. The recipe's `loss: linear` scores every mapping by its balance
+Linears' own output errors instead, Σ_j ‖X·ΔW_jᵀ‖² from their shared input's Gram matrix:
+the objective of the AWQ paper (its Eq. 4), where AutoAWQ and llm-compressor inspect the
+enclosing attention or MLP module (the default, `loss: module`).
 
 Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
 `apply_awq_` and `apply_clip_` change modules in place. All arithmetic is float32 and

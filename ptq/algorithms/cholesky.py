@@ -113,10 +113,17 @@ def cholesky_lower_(A: Tensor, threads: int) -> bool:
     return True
 
 
-def _set_lower_(target: Tensor, source: Tensor) -> None:
-    """target's lower triangle (diagonal included) = source's; its strict upper one stays."""
-    lower = torch.ones_like(target, dtype=torch.bool).tril_()
-    target.copy_(torch.where(lower, source, target))
+def _set_lower_(target: Tensor, source: Tensor, diagonal: bool = True, rows: int = 512) -> None:
+    """target's lower triangle = source's (diagonal included or not); target's other entries
+    stay. A row block at a time (no [n, n] temporary); target and source may be views of
+    one matrix (its transpose) when they share no entry written here."""
+    n = target.shape[0]
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        target[r0:r1, :r0] = source[r0:r1, :r0]
+        tile = target[r0:r1, r0:r1]
+        lower = torch.ones_like(tile, dtype=torch.bool).tril_(0 if diagonal else -1)
+        tile.copy_(torch.where(lower, source[r0:r1, r0:r1], tile))
 
 
 def inverse_lower_(L: Tensor, threads: int) -> bool:
@@ -153,27 +160,14 @@ def inverse_lower_(L: Tensor, threads: int) -> bool:
     return finite
 
 
-def _lower_into_upper_(A: Tensor, rows: int = 512) -> None:
-    """A's strict upper triangle = its strict lower triangle, transposed; a row block at a
-    time (no [n, n] temporary)."""
-    n = A.shape[0]
-    At = A.t()  # [n, n] view: its strict lower triangle is A's strict upper one
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        At[r0:r1, :r0] = A[r0:r1, :r0]
-        tile = At[r0:r1, r0:r1]
-        tile.copy_(torch.where(torch.ones_like(tile, dtype=torch.bool).tril_(-1), A[r0:r1, r0:r1], tile))
+def _lower_into_upper_(A: Tensor) -> None:
+    """A's strict upper triangle = its strict lower triangle, transposed."""
+    _set_lower_(A.t(), A, diagonal=False)  # A.t()'s strict lower triangle is A's strict upper one
 
 
-def _upper_into_lower_(A: Tensor, rows: int = 512) -> None:
+def _upper_into_lower_(A: Tensor) -> None:
     """The reverse of _lower_into_upper_: A's strict lower triangle from its strict upper one."""
-    n = A.shape[0]
-    At = A.t()
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        A[r0:r1, :r0] = At[r0:r1, :r0]
-        tile = A[r0:r1, r0:r1]
-        tile.copy_(torch.where(torch.ones_like(tile, dtype=torch.bool).tril_(-1), At[r0:r1, r0:r1], tile))
+    _set_lower_(A, A.t(), diagonal=False)
 
 
 def flip_(A: Tensor, chunk: int = 1 << 20) -> Tensor:

@@ -17,11 +17,11 @@ import ctypes
 import functools
 import importlib.util
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
+from ptq.devices import cpu_parallel
 from ptq.primitives import MSE_COARSE, MSE_FINE
 from ptq.schemes import QuantArgs
 
@@ -64,11 +64,6 @@ def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) ->
     if scale_dtype == torch.float16 and not _library()[0].ptq_gptq_has_float16():
         return "torch"
     return "compiled"
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ptq-gptq")
 
 
 class BlockLoop:
@@ -114,9 +109,7 @@ class BlockLoop:
                                         candidates, ncandidates, fine)
 
     def run(self, i1: int, i2: int) -> None:
-        if len(self._slices) == 1:
-            statuses = [self._call(*self._slices[0], i1, i2)]
-        else:
-            statuses = list(_pool(len(self._slices)).map(lambda s: self._call(*s, i1, i2), self._slices))
+        statuses = cpu_parallel([functools.partial(self._call, r0, r1, i1, i2) for r0, r1 in self._slices],
+                                len(self._slices))
         if any(statuses):
             raise MemoryError("the compiled GPTQ loop ran out of memory for a group's columns")

@@ -1,0 +1,49 @@
+"""GPTQ's blocked factorisation: Uᵀ U = J (H + λ mean(diag H) I)⁻¹ J for the upper U it
+returns (J reverses the order), across several blocks, after dampening retries too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ptq.algorithms import cholesky
+
+
+def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
+    n = H.shape[0]
+    Hd = H.double() + lam * H.diagonal().double().mean() * torch.eye(n, dtype=torch.float64)
+    expected = torch.linalg.inv(Hd).flip((0, 1))
+    assert torch.equal(U, U.triu())
+    assert float((U.double().t() @ U.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("n", [100, 256, 700])  # one block, exactly one, three (the last partial)
+def test_inverse_factor(n):
+    x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
+    H = x.t() @ x / (3 * n)
+    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
+    assert (lam, reason) == (0.01, None)
+    _check(H, U, lam)
+
+
+def test_indefinite_matrix_retries_with_more_dampening():
+    # three negative eigenvalues of -0.5 against a mean diagonal near 0.6: factoring fails
+    # until the dampening reaches 1.0, after the partial factorisations overwrote the copy
+    n = 600
+    g = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g))
+    eigenvalues = torch.rand(n, generator=g) + 0.1
+    eigenvalues[:3] = -0.5
+    H = (Q * eigenvalues) @ Q.t()
+    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
+    assert reason is None and lam == 1.0
+    _check(H, U, lam)
+
+
+def test_no_dampening_is_enough():
+    # eigenvalues 11 and -9 in the first two coordinates, mean diagonal 1: H + λ·I stays
+    # indefinite up to the last retry, λ = 1
+    H = torch.eye(300)
+    H[0, 1] = H[1, 0] = 10.0
+    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
+    assert U is None and lam == 1.0 and reason == "Cholesky of the Hessian failed with dampening up to 1"
