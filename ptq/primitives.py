@@ -195,4 +195,21 @@ def dequantize(
 def fake_quantize(x: Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> Tensor:
     """Quantize then dequantize x [rows, cols] with its own min-max parameters, in x's dtype."""
     scale, zero = compute_qparams(x, args, scale_dtype or torch.float32)
+    if args.type == "int" and args.strategy in ("group", "channel"):
+        return _fake_quantize_groups(x, scale, zero, args)
     return dequantize(quantize(x, scale, zero, args), scale, zero).to(x.dtype)
+
+
+def _fake_quantize_groups(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
+    """dequantize(quantize(x)) for int groups or channels, bit for bit: the same ops on x
+    viewed as [rows, groups, members] with the parameters broadcast over the members (no
+    [rows, cols] copies of them), the integers kept as floats (exact in the scale dtype)."""
+    rows, cols = x.shape
+    groups = scale.shape[1]
+    t = x.float().reshape(rows, groups, cols // groups) / scale.float().unsqueeze(-1)  # [rows, groups, members]
+    if zero is not None:
+        t += zero.float().unsqueeze(-1)
+    values = t.round_().clamp_(args.qmin, args.qmax).to(scale.dtype)
+    if zero is not None:
+        values -= zero.unsqueeze(-1).to(scale.dtype)
+    return (values * scale.unsqueeze(-1)).to(x.dtype).view(rows, cols)

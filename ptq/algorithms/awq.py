@@ -191,7 +191,7 @@ def make_linear_loss(W: Tensor, gram: Tensor, tokens: int, *, args: QuantArgs,
             dWG = torch.zeros_like(dW)  # [c·out, in]
             for a in range(0, in_features, GEMM_CHUNK):
                 dWG.addmm_(dW[:, a:a + GEMM_CHUNK], G[a:a + GEMM_CHUNK])
-            sums.append(dWG.mul_(dW).view(len(part), -1).double().sum(dim=1))  # [c]
+            sums.append(dWG.mul_(dW).view(len(part), -1).sum(dim=1, dtype=torch.float64))  # [c]
         count = torch.tensor([float(tokens * out_features)], dtype=torch.float64, device=W.device)
         return torch.cat(sums + [count]).float()  # [candidates + 1]
 
