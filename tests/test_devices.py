@@ -129,7 +129,7 @@ def _at_threads(threads, work):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hessian_does_not_depend_on_the_thread_count(dtype):
     # 2048 tokens in one batch: one GEMM over them rounds differently on 1 and 2 threads
-    # (float32) or 1 and 3 (bf16); the observer's chunks of 512 tokens do not
+    # (float32) or 1 and 3 (bf16); the observer's one-thread GEMMs do not
     x = torch.randn(2, 1024, 768, generator=torch.Generator().manual_seed(0)).to(dtype)  # [batch, seq, in]
 
     def hessian():
