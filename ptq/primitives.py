@@ -169,47 +169,40 @@ def expand_groups(t: Tensor, in_features: int, g_idx: Tensor | None = None) -> T
     return t.repeat_interleave(in_features // t.shape[1], dim=1)
 
 
+def _aligned(x: Tensor, t: Tensor, g_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    """x [rows, cols] and per-group values t [rows or 1, groups], shaped to broadcast: for
+    consecutive groups of each row, x as [rows, groups, members] and t as [rows, groups, 1]
+    (no [rows, cols] copy of t); otherwise x as it is and t spread over the columns."""
+    rows, cols = x.shape
+    if g_idx is None and t.shape[0] == rows and cols % t.shape[1] == 0:
+        return x.reshape(rows, t.shape[1], cols // t.shape[1]), t.unsqueeze(-1)
+    return x, expand_groups(t, cols, g_idx)
+
+
 def quantize(
     x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs, g_idx: Tensor | None = None
 ) -> Tensor:
     """x [rows, cols] to int8 integers in [qmin, qmax], or to float8_e4m3fn for float schemes."""
-    s = expand_groups(scale.float(), x.shape[1], g_idx)  # [rows, cols]
-    scaled = x.float() / s
+    xs, s = _aligned(x.float(), scale.float(), g_idx)
+    scaled = xs / s
     if args.type == "float":
-        return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(x.shape)
     if zero is not None:
-        scaled = scaled + expand_groups(zero.float(), x.shape[1], g_idx)
-    return torch.round(scaled).clamp(args.qmin, args.qmax).to(torch.int8)
+        scaled += _aligned(x, zero.float(), g_idx)[1]
+    return scaled.round_().clamp_(args.qmin, args.qmax).to(torch.int8).view(x.shape)
 
 
 def dequantize(
     q: Tensor, scale: Tensor, zero: Tensor | None = None, g_idx: Tensor | None = None
 ) -> Tensor:
     """(q - zero) * scale, computed in the scale's dtype as compressed-tensors does: [rows, cols]."""
-    values = q.to(scale.dtype)
+    values, s = _aligned(q.to(scale.dtype), scale, g_idx)
     if zero is not None:
-        values = values - expand_groups(zero, q.shape[1], g_idx).to(scale.dtype)
-    return values * expand_groups(scale, q.shape[1], g_idx)
+        values = values - _aligned(q, zero, g_idx)[1].to(scale.dtype)
+    return (values * s).view(q.shape)
 
 
 def fake_quantize(x: Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> Tensor:
     """Quantize then dequantize x [rows, cols] with its own min-max parameters, in x's dtype."""
     scale, zero = compute_qparams(x, args, scale_dtype or torch.float32)
-    if args.type == "int" and args.strategy in ("group", "channel"):
-        return _fake_quantize_groups(x, scale, zero, args)
     return dequantize(quantize(x, scale, zero, args), scale, zero).to(x.dtype)
-
-
-def _fake_quantize_groups(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs) -> Tensor:
-    """dequantize(quantize(x)) for int groups or channels, bit for bit: the same ops on x
-    viewed as [rows, groups, members] with the parameters broadcast over the members (no
-    [rows, cols] copies of them), the integers kept as floats (exact in the scale dtype)."""
-    rows, cols = x.shape
-    groups = scale.shape[1]
-    t = x.float().reshape(rows, groups, cols // groups) / scale.float().unsqueeze(-1)  # [rows, groups, members]
-    if zero is not None:
-        t += zero.float().unsqueeze(-1)
-    values = t.round_().clamp_(args.qmin, args.qmax).to(scale.dtype)
-    if zero is not None:
-        values -= zero.unsqueeze(-1).to(scale.dtype)
-    return (values * scale.unsqueeze(-1)).to(x.dtype).view(rows, cols)

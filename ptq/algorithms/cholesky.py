@@ -87,13 +87,14 @@ def cholesky_lower_(A: Tensor, threads: int) -> bool:
         _set_lower_(A, L)
         return int(info) == 0
     edges = _edges(A.shape[0], BLOCK)
-    for k0, k1 in zip(edges, edges[1:]):
+    blocks = list(zip(edges, edges[1:]))
+    for k, (k0, k1) in enumerate(blocks):
         with cpu_threads(1):
             L, info = torch.linalg.cholesky_ex(A[k0:k1, k0:k1])  # [b, b] lower
         if int(info) != 0:
             return False
         _set_lower_(A[k0:k1, k0:k1], L)
-        below = list(zip(edges[edges.index(k1):], edges[edges.index(k1) + 1:]))
+        below = blocks[k + 1:]
         if not below:
             return True
 

@@ -42,8 +42,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as error:
         return None, f"the compiled GPTQ loop does not load: {error}"
     lib.ptq_gptq_block.restype = ctypes.c_int
-    lib.ptq_gptq_block.argtypes = [
-        _P, _I, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P,
+    lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
+        _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P,
         ctypes.c_int32, ctypes.c_float, ctypes.c_float, _P, _I, ctypes.c_float,
     ]
     lib.ptq_gptq_has_float16.restype = ctypes.c_int
@@ -80,36 +80,28 @@ class BlockLoop:
                  members: Tensor, importance: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs,
                  scale_dtype: torch.dtype, observer: str, threads: int):
         self._lib = _library()[0]
-        self._keep = [group.long().contiguous(), first.long().contiguous(), members.long().contiguous(),
-                      importance.float().contiguous()]  # alive while C reads them
         mse = observer == "mse"
         candidates = torch.tensor(MSE_COARSE if mse else (1.0,), dtype=torch.float32)
-        self._keep.append(candidates)
+        group, first, members = group.long().contiguous(), first.long().contiguous(), members.long().contiguous()
+        importance = importance.float().contiguous()
+        self._keep = (group, first, members, importance, candidates)  # alive while C reads them
+        for t in (Wt, E, Qt, scale) + (() if zero is None else (zero,)):
+            assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
         rows = Wt.shape[1]
         threads = max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
         edges = [rows * k // threads // 16 * 16 for k in range(threads)] + [rows]
         self._slices = list(zip(edges, edges[1:]))
-        group_of, first_group, members_, importance_ = self._keep[:4]
-        self._fixed = (
-            Wt.data_ptr(), rows, Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1),
-            E.data_ptr(), Qt.data_ptr(), group_of.data_ptr(), first_group.data_ptr(),
-            members_.data_ptr(), members.shape[1], importance_.data_ptr() if mse else None,
-            scale.data_ptr(), None if zero is None else zero.data_ptr(), SCALE_KINDS[scale_dtype],
-            float(args.qmin), float(args.qmax), candidates.data_ptr(), candidates.numel(),
-            MSE_FINE if mse else 0.0,
+        self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2
+            Wt.data_ptr(), rows, Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
+            group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
+            importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
+            SCALE_KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
+            candidates.numel(), MSE_FINE if mse else 0.0,
         )
-        for t in (Wt, E, Qt, scale) + (() if zero is None else (zero,)):
-            assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
-
-    def _call(self, r0: int, r1: int, i1: int, i2: int) -> int:
-        (Wt, rows, Hinv, hs0, hs1, E, Qt, group_of, first, members, size, importance, scale, zero, kind,
-         qmin, qmax, candidates, ncandidates, fine) = self._fixed
-        return self._lib.ptq_gptq_block(Wt, rows, r0, r1, Hinv, hs0, hs1, i1, i2, E, Qt, group_of, first,
-                                        members, size, importance, scale, zero, kind, qmin, qmax,
-                                        candidates, ncandidates, fine)
 
     def run(self, i1: int, i2: int) -> None:
-        statuses = cpu_parallel([functools.partial(self._call, r0, r1, i1, i2) for r0, r1 in self._slices],
+        block = self._lib.ptq_gptq_block
+        statuses = cpu_parallel([functools.partial(block, r0, r1, i1, i2, *self._fixed) for r0, r1 in self._slices],
                                 len(self._slices))
         if any(statuses):
             raise MemoryError("the compiled GPTQ loop ran out of memory for a group's columns")

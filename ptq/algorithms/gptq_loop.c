@@ -228,12 +228,11 @@ VECTORIZED static void update(float *w, const float *e, float h, int64_t n) {
    ascending), importance [cols] (diag H in processing order; NULL: all alike).
    candidates [ncandidates]: the shrink factors tried (mse: MSE_COARSE; min-max: {1.0});
    fine > 0: the mse search's fine step. Returns 0, or 1 when memory ran out. */
-int ptq_gptq_block(float *Wt, int64_t R, int64_t r0, int64_t r1, const float *Hinv, int64_t hs0, int64_t hs1,
-                   int64_t i1,
-                   int64_t i2, float *E, int8_t *Qt, const int64_t *group_of, const int64_t *first_group,
-                   const int64_t *members, int64_t size, const float *importance, float *scale, float *zero,
-                   int32_t kind, float qmin, float qmax, const float *candidates, int64_t ncandidates,
-                   float fine) {
+int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, float *Wt, int64_t R, const float *Hinv,
+                   int64_t hs0, int64_t hs1, float *E, int8_t *Qt, const int64_t *group_of,
+                   const int64_t *first_group, const int64_t *members, int64_t size, const float *importance,
+                   float *scale, float *zero, int32_t kind, float qmin, float qmax, const float *candidates,
+                   int64_t ncandidates, float fine) {
     const Shape s = {R, r0, r1 - r0, hs0, hs1, qmin, qmax, kind, zero != NULL};
     if (s.n <= 0)
         return 0;
