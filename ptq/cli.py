@@ -225,7 +225,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         store = BlockStore(slot.work / "blocks", {"model": location, "model_files": _source_signature(source)})
         try:
             if args.stream:
-                results = quantize_streamed_and_write(args, recipe, source, device, slot)
+                results = quantize_streamed_and_write(args, recipe, source, device, eval_texts, slot)
             else:
                 results = quantize_and_write(args, recipe, location, device, eval_texts, store, slot)
         except KeyboardInterrupt:

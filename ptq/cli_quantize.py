@@ -122,13 +122,12 @@ def check_stream(args, source: Path | None, recipe) -> None:
         raise PtqError("--stream quantizes weights; a recipe with kv_cache needs the model in memory (drop --stream)")
 
 
-def quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tuple:
+def quantize_streamed_and_write(args, recipe, source: Path, device, eval_texts, slot) -> tuple:
     """--stream: ptq.streaming.quantize_streamed into the staging folder, then the rest of the
     checkpoint. With evaluation, as quantize_and_write evaluates, the model never in memory:
     the original's logits streamed from the source folder first, the quantized model's from
     the weights just written (ptq.streaming.streamed_logits); the same numbers."""
     import ptq
-    from ptq.calibration.data import load_texts
     from ptq.checkpoint.writer import write_checkpoint
     from ptq.evaluate import check_windows, evaluate_logits
     from ptq.export.card import CardFacts
@@ -144,9 +143,8 @@ def quantize_streamed_and_write(args, recipe, source: Path, device, slot) -> tup
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     before = size_of(model, dtype, names)
     windows = reference = quality = None
-    if not args.no_eval:
-        texts = load_texts(args.eval_text)
-        windows = ptq.eval_windows(tokenizer, texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
+    if eval_texts is not None:
+        windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
         check_windows(model, windows)  # before the work, not after it
         reference = streamed_reference_logits(source, windows, slot.work / "reference-logits",
                                               compute_dtype_for(device, dtype), device=device)

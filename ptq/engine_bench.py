@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ptq.plan.accelerators import ACCELERATORS, Accelerator, _key
-from ptq.plan.render import _ms
+from ptq.plan.render import ms
 from ptq.report import format_rows
 
 BATCHES = (1, 4)
@@ -123,8 +123,7 @@ def run_engine_bench(model: str, device: torch.device, *, checkpoint: str | None
     original, _ = ptq.load_model(model, device=device)
     dtype = compute_dtype_for(device, original.dtype)
     cast_parameters_(original, dtype)
-    # a copy: the bounds below read the weights in the compute dtype
-    models = [("original", original, dataclasses.replace(facts or read_model(model)), Candidate("BF16"))]
+    models = [("original", original, facts or read_model(model), Candidate("BF16"))]
     if checkpoint is not None:
         facts = read_model(checkpoint)
         models.append((str(checkpoint), ptq.load(checkpoint, device=device), facts, checkpoint_candidate(facts)))
@@ -134,7 +133,7 @@ def run_engine_bench(model: str, device: torch.device, *, checkpoint: str | None
     peak_label = "peak GPU memory (allocator)" if device.type == "cuda" else "peak RSS (the whole process)"
     bench = EngineBench(words, source, acc, str(dtype).removeprefix("torch."), peak_label)
     for label, net, facts, candidate in models:
-        facts.dtype_bytes = dtype.itemsize  # the bounds read the weights as they are computed with
+        facts = dataclasses.replace(facts, dtype_bytes=dtype.itemsize)  # the bounds read the weights as computed
         for batch in batches:
             for prompt in prompts:
                 ids = stream[:batch, :prompt].to(device)
@@ -181,8 +180,8 @@ def format_measurements(bench: EngineBench) -> str:
     head = ("model", "batch", "prompt", "new", "TTFT", "bound", "x", "TPOT", "bound", "x", "tok/s", bench.peak_label)
     rows = [head]
     for m in bench.rows:
-        rows.append((m.model, str(m.batch), str(m.prompt), str(m.new_tokens), _ms(m.ttft_s), _ms(m.ttft_bound_s),
-                     f"{m.ttft_s / m.ttft_bound_s:,.1f}", _ms(m.tpot_s), _ms(m.tpot_bound_s),
+        rows.append((m.model, str(m.batch), str(m.prompt), str(m.new_tokens), ms(m.ttft_s), ms(m.ttft_bound_s),
+                     f"{m.ttft_s / m.ttft_bound_s:,.1f}", ms(m.tpot_s), ms(m.tpot_bound_s),
                      f"{m.tpot_s / m.tpot_bound_s:,.1f}", f"{m.tokens_per_s:,.0f}", f"{m.peak_bytes / 1e6:,.0f} MB"))
     lines.append(format_rows(rows))
     lines.append("x = measured / bound (the bound is the floor at the figures above: 1.0 would be perfect)")

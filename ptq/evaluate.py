@@ -29,6 +29,9 @@ from ptq.calibration.data import load_texts, token_stream
 from ptq.errors import PtqError
 
 
+EVAL_BATCH_SIZE = 4  # windows per forward pass; the reference's logits are kept in these batches
+
+
 @dataclass(frozen=True)
 class EvalResult:
     perplexity: float
@@ -128,7 +131,8 @@ class ReferenceLogits:
 
 @torch.no_grad()
 def reference_logits(
-    reference: nn.Module, windows: Tensor, folder: str | Path, *, batch_size: int = 4, show_progress: bool = True
+    reference: nn.Module, windows: Tensor, folder: str | Path, *, batch_size: int = EVAL_BATCH_SIZE,
+    show_progress: bool = True,
 ) -> ReferenceLogits:
     """Compute the reference's logits on windows [n, seq_len] into a new folder (one batch in
     memory at a time), for ptq.evaluate(model, windows, reference=...) later. A failure
@@ -164,7 +168,7 @@ def evaluate(
     windows: Tensor,
     *,
     reference: nn.Module | ReferenceLogits | None = None,
-    batch_size: int = 4,
+    batch_size: int = EVAL_BATCH_SIZE,
     show_progress: bool = True,
 ) -> EvalResult:
     """Perplexity of model on token windows [n, seq_len]; KL and top-1 against reference
@@ -187,7 +191,8 @@ def evaluate(
 
 
 def evaluate_logits(
-    logits: Iterable[Tensor], windows: Tensor, *, reference: ReferenceLogits | None = None, batch_size: int = 4
+    logits: Iterable[Tensor], windows: Tensor, *, reference: ReferenceLogits | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
 ) -> EvalResult:
     """evaluate() for a model whose logits on windows.split(batch_size) are given batch by
     batch (a model streamed from disk: ptq.streaming.streamed_logits): the same numbers."""

@@ -9,8 +9,6 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 import torch
 from torch import nn
 
@@ -72,7 +70,7 @@ def _awq_(
 ) -> dict[str, str]:
     # "linear": the balance Linears of a mapping read one input (a pair whose smooth op feeds
     # a router, the only way routed experts could share one, is refused: moe.router_reads)
-    inspected = _InspectedInputs(mappings, range(len(mappings)) if step.loss == "linear" else ())
+    inspected = _InspectedInputs(mappings, per_linear=step.loss == "linear")
     try:
         observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
     finally:
@@ -97,31 +95,32 @@ def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torc
     """AWQ's clipping of the mapping's balance Linears, searched on the first calibration
     batch: process 0's, whose ranges every process applies (ptq.distributed)."""
     clipped = [linear for name, linear in zip(m.mapping.balance, m.balance) if not name.endswith(NO_CLIP)]
+    if not clipped:  # the same on every process: none of them sends or waits
+        return
     found = None
-    if is_main() and clipped:  # smoothed now, as the weights are; a routed expert sees every token of the batch
+    if is_main():  # smoothed now, as the weights are; a routed expert sees every token of the batch
         with moe.all_experts(run.block):
             inputs = run.first_input(m.balance[0]).float()
         inputs = inputs.reshape(-1, inputs.shape[-1])  # [tokens, in]
         found = [awq_clip_search(linear.weight, inputs, args, scale_dtype=scale_dtype) for linear in clipped]
-    if clipped:
-        for linear, max_val in zip(clipped, share_from(found, 0)):  # one message for the mapping
-            apply_clip_(linear, max_val)
+    for linear, max_val in zip(clipped, share_from(found, 0)):  # one message for the mapping
+        apply_clip_(linear, max_val)
 
 
 class _InspectedInputs:
     """What each mapping's loss needs of its inspected module's inputs, gathered by forward
     pre-hooks during the statistics pass: the Gram matrix Σ x xᵀ of the balance Linears'
     shared input where the loss is theirs (the inspected module is the one balance Linear,
-    or the mapping's index is in per_linear: AWQStep.loss "linear"; make_linear_loss, summed
+    or per_linear: AWQStep.loss "linear"; make_linear_loss, summed
     over the balance Linears), else the cached (args, kwargs) of every batch (make_module_loss)."""
 
-    def __init__(self, mappings: list[ResolvedMapping], per_linear: Container[int] = ()) -> None:
+    def __init__(self, mappings: list[ResolvedMapping], per_linear: bool = False) -> None:
         self.mappings = mappings
         self.grams: dict[int, HessianObserver] = {}
         self.calls: dict[int, list] = {}
         self.handles = []
         for i, m in enumerate(mappings):
-            if i in per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
+            if per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
                 self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
                 hook = lambda _m, a, kw, o=self.grams[i]: o.update(a[0])  # noqa: E731
                 hooked = m.balance[0]  # the balance Linears read one input

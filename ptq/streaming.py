@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from ptq import moe
 from ptq.arch import find_blocks
-from ptq.calibration.runner import StandIn
+from ptq.calibration.runner import StandIn, _hidden_of
+from ptq.evaluate import EVAL_BATCH_SIZE
 from ptq.checkpoint.shards import ShardWriter
 from ptq.checkpoint.writer import DEFAULT_SHARD_BYTES, checkpoint_tensors
 from ptq.errors import PtqError
@@ -111,8 +112,8 @@ class StreamedWeights:
                 stored = self._stored_name(param)
                 wanted.setdefault(self.files[stored], []).append(param)
         for sub_name, sub in module.named_modules(prefix=name):
-            for key, buffer in sub._buffers.items():
-                if buffer is not None and buffer.is_meta and key not in sub._non_persistent_buffers_set:
+            for key, buffer in _persistent_buffers(sub):
+                if buffer.is_meta:
                     stored = f"{sub_name}.{key}"
                     if stored not in self.files:
                         raise PtqError(f"tensor '{stored}' is not in the safetensors files of '{self.folder}'")
@@ -171,9 +172,8 @@ class StreamedWeights:
                     self._replace(param, empty)
                 else:  # a parameter of a module ptq put in (a QuantLinear's bias)
                     sub._parameters[key] = empty
-            for key, buffer in sub._buffers.items():  # QuantLinears' packed weights and scales
-                if buffer is not None and key not in sub._non_persistent_buffers_set:
-                    sub._buffers[key] = buffer.to("meta")
+            for key, buffer in _persistent_buffers(sub):  # QuantLinears' packed weights and scales
+                sub._buffers[key] = buffer.to("meta")
 
     def _owned(self, param: nn.Parameter) -> bool:
         """Whether param is one of the model's parameters (not an id reused by another object)."""
@@ -261,7 +261,7 @@ class _HandOver(StandIn):
     def forward(self, *args, **kwargs):
         if self.output is not None:
             return self.output
-        return args[0] if args else kwargs["hidden_states"]
+        return _hidden_of(args, kwargs)
 
 
 def _outside_blocks(model: nn.Module, blocks_path: str) -> list[str]:
@@ -270,11 +270,15 @@ def _outside_blocks(model: nn.Module, blocks_path: str) -> list[str]:
     for name, module in model.named_modules():
         if not name or name == blocks_path or name.startswith(blocks_path + "."):
             continue
-        persistent = set(module._buffers) - module._non_persistent_buffers_set
-        buffers = [k for k in persistent if module._buffers[k] is not None]
-        if buffers or any(True for _ in module.parameters(recurse=False)):
+        if _persistent_buffers(module) or any(True for _ in module.parameters(recurse=False)):
             names.append(name)
     return names
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the module's own buffers that a state dict stores."""
+    return [(key, buffer) for key, buffer in module._buffers.items()
+            if buffer is not None and key not in module._non_persistent_buffers_set]
 
 
 @torch.no_grad()
@@ -283,7 +287,7 @@ def streamed_logits(
     folder: str | os.PathLike,
     windows: torch.Tensor,
     *,
-    batch_size: int = 4,
+    batch_size: int = EVAL_BATCH_SIZE,
     device: torch.device | str = "cpu",
     whose: str = "the model's",
     show_progress: bool = False,
@@ -311,7 +315,7 @@ def streamed_logits(
         weights.load(name)
     try:
         inputs, per_block = capture_block_inputs(model, blocks, windows, device, batch_size)
-        hidden = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+        hidden = [_hidden_of(args, kwargs) for args, kwargs in inputs]
         inputs = [_with_hidden(args, kwargs, None) for args, kwargs in inputs]  # [batch]: the rest of block 0's
         for index in tqdm(range(len(blocks)), desc="evaluate", unit="block", disable=not show_progress):
             name = f"{weights.blocks_path}.{index}"
@@ -352,5 +356,5 @@ def streamed_reference_logits(source: str | os.PathLike, windows: torch.Tensor, 
     shutil.rmtree(folder, ignore_errors=True)  # left by a run killed before it could remove them
     model = meta_model(Path(source))
     cast_parameters_(model, compute_dtype)
-    logits = streamed_logits(model, source, windows, batch_size=4, device=device, whose="the reference model's")
-    return store_logits(logits, windows, folder, 4, getattr(model.config, "vocab_size", None))
+    logits = streamed_logits(model, source, windows, device=device, whose="the reference model's")
+    return store_logits(logits, windows, folder, EVAL_BATCH_SIZE, getattr(model.config, "vocab_size", None))

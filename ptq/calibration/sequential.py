@@ -37,8 +37,8 @@ from ptq.modules import cached_weight
 
 @dataclass
 class _Batch:
+    device: torch.device  # the compute device: replayed outputs return to it
     index: int = 0
-    device: torch.device | None = None  # the compute device: replayed outputs return to it
 
 
 class _Replay(nn.Module):
@@ -58,12 +58,12 @@ class _Replay(nn.Module):
         return _fetch(self.outputs[self.batch.index], self.batch.device, copy=True)
 
 
-def _fetch(value, device: torch.device | None, copy: bool):
+def _fetch(value, device: torch.device, copy: bool):
     """value's tensors on device (kept on the CPU while activations wait there: see
     ptq.calibration.runner.activation_device); copies, unless copy is False and they are
     on device already."""
     def one(t: Tensor) -> Tensor:
-        if device is not None and t.device != device:
+        if t.device != device:
             return t.to(device)
         return t.clone() if copy else t
 

@@ -34,7 +34,7 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GB:,.2f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:,.2f} MB"
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.3g} ms" if ms < 10 else f"{ms:,.1f} ms"
 
@@ -48,11 +48,11 @@ def row(est: Estimate) -> tuple[str, ...]:
         kv_text,
         f"{est.max_concurrency:,}",
         f"{est.batch:,}",
-        _ms(est.tpot_one_s),
-        _ms(est.tpot_s) if est.batch else "-",
+        ms(est.tpot_one_s),
+        ms(est.tpot_s) if est.batch else "-",
         f"{est.tokens_per_s_user:,.0f}" if est.batch else "-",
         f"{est.tokens_per_s_total:,.0f}" if est.batch else "-",
-        _ms(est.ttft_s),
+        ms(est.ttft_s),
         est.binds,
         "yes" if est.kernel and not est.kernel_note else ("ptq" if est.kernel else "no"),
     )
