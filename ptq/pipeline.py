@@ -384,10 +384,11 @@ def _quantize_with_calibration(
             if transform is None:
                 continue
             start = time.perf_counter()
-            done, skipped = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype)
-            report.add_time(f"{transform.step_name} search", time.perf_counter() - start)
-            report.smoothing.update({f"{run.name}: {pair}": what for pair, what in done.items()})
-            report.notes.extend(note for note in skipped if note not in report.notes)
+            smoothed = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype)
+            report.add_time(f"{transform.step_name} statistics", smoothed.statistics_seconds)
+            report.add_time(f"{transform.step_name} search", time.perf_counter() - start - smoothed.statistics_seconds)
+            report.smoothing.update({f"{run.name}: {pair}": what for pair, what in smoothed.done.items()})
+            report.notes.extend(note for note in smoothed.skipped if note not in report.notes)
         if recipe.transforms:
             _round_to_(run.block, report.checkpoint_dtype, float32_ids)
         if not needs_calibration(step):

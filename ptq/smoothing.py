@@ -9,6 +9,9 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -34,47 +37,63 @@ from ptq.schemes import QuantArgs
 NO_CLIP = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
 
 
+@dataclass
+class Smoothed:
+    """What one smoothing step did to a block."""
+
+    done: dict[str, str]  # what was done, per pair
+    skipped: list[str]  # why pairs were left as they are
+    statistics_seconds: float  # of the step's time, the pass that collected its statistics
+
+
 def smooth_block_(
     model: nn.Module, run: BlockRun, step: TransformStep, args: QuantArgs, scale_dtype: torch.dtype
-) -> tuple[dict[str, str], list[str]]:
-    """Apply one smoothing step to the block in place: (what was done per pair, skip reasons)."""
+) -> Smoothed:
+    """Apply one smoothing step to the block in place."""
     # the recipe's own mappings must name modules of every block; the table's may not apply
     mappings, skipped = block_mappings(model, run.block, step.mappings, strict=True, what=step.step_name)
     if isinstance(step, SmoothQuantStep):
-        done = _smoothquant_(run, mappings, step)
+        done, seconds = _smoothquant_(run, mappings, step)
     else:
         assert isinstance(step, AWQStep)
-        done = _awq_(run, mappings, step, args, scale_dtype)
+        done, seconds = _awq_(run, mappings, step, args, scale_dtype)
     # a routed expert that no calibration token reached has no statistics: left as it is
     unrouted = [m.mapping.describe() for m in mappings if m.mapping.describe() not in done]
-    return done, skipped + [f"{pair} skipped: no calibration token was routed to it" for pair in unrouted]
+    skipped += [f"{pair} skipped: no calibration token was routed to it" for pair in unrouted]
+    return Smoothed(done, skipped, seconds)
 
 
 def _first_inputs(mappings: list[ResolvedMapping]) -> dict[str, nn.Linear]:
     return {m.mapping.balance[0]: m.balance[0] for m in mappings}
 
 
-def _smoothquant_(run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep) -> dict[str, str]:
+def _smoothquant_(
+    run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep
+) -> tuple[dict[str, str], float]:
+    start = time.perf_counter()
     observers = run.collect(_first_inputs(mappings), AbsMaxObserver)
+    seconds = time.perf_counter() - start
     done = {}
     for m in (m for m in mappings if m.mapping.balance[0] in observers):
         absmax = observers[m.mapping.balance[0]].value  # [in]
         scales = smoothquant_scales(absmax, [b.weight for b in m.balance], step.alpha)
         apply_smoothing_(m.smooth, m.balance, scales, rows=m.rows, weight_offset=m.weight_offset)
         done[m.mapping.describe()] = f"smoothquant alpha {step.alpha}"
-    return done
+    return done, seconds
 
 
 def _awq_(
     run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype
-) -> dict[str, str]:
+) -> tuple[dict[str, str], float]:
     # "linear": the balance Linears of a mapping read one input (a pair whose smooth op feeds
     # a router, the only way routed experts could share one, is refused: moe.router_reads)
+    start = time.perf_counter()
     inspected = _InspectedInputs(mappings, per_linear=step.loss == "linear")
     try:
         observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
     finally:
         inspected.remove()
+    seconds = time.perf_counter() - start
     done = {}
     for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
         losses = inspected.loss(i, args, scale_dtype)
@@ -88,7 +107,7 @@ def _awq_(
         done[m.mapping.describe()] = f"awq ratio {ratio}, {what} -{100 * gain:.0f}%"
         if step.clip:
             _clip_(run, m, args, scale_dtype)
-    return done
+    return done, seconds
 
 
 def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torch.dtype) -> None:
@@ -111,8 +130,8 @@ class _InspectedInputs:
     """What each mapping's loss needs of its inspected module's inputs, gathered by forward
     pre-hooks during the statistics pass: the Gram matrix Σ x xᵀ of the balance Linears'
     shared input where the loss is theirs (the inspected module is the one balance Linear,
-    or per_linear: AWQStep.loss "linear"; make_linear_loss, summed
-    over the balance Linears), else the cached (args, kwargs) of every batch (make_module_loss)."""
+    or per_linear: AWQStep.loss "linear"; make_linear_loss, over all the balance Linears),
+    else the cached (args, kwargs) of every batch (make_module_loss)."""
 
     def __init__(self, mappings: list[ResolvedMapping], per_linear: bool = False) -> None:
         self.mappings = mappings
@@ -144,6 +163,5 @@ class _InspectedInputs:
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
         gram = observer.value.mul_(observer.tokens / 2)  # [in, in]: Σ x xᵀ, in H's memory (read once)
-        losses = [make_linear_loss(b.weight, gram, observer.tokens, args=args, scale_dtype=scale_dtype)
-                  for b in m.balance]
-        return losses[0] if len(losses) == 1 else lambda scales: sum(loss(scales) for loss in losses)
+        return make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
+                                scale_dtype=scale_dtype)

@@ -31,12 +31,14 @@ the objective of the AWQ paper (its Eq. 4), where AutoAWQ and llm-compressor ins
 enclosing attention or MLP module (the default, `loss: module`).
 
 Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
-`apply_awq_` and `apply_clip_` change modules in place. All arithmetic is float32 and
-follows the inputs' device.
+`apply_awq_` and `apply_clip_` change modules in place. The arithmetic is float32 but for
+the Gram loss's GEMMs (in the forward pass's precision) and follows the inputs' device; on
+a CPU the candidate weights come from the compiled grid (ptq.algorithms.compiled).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -44,7 +46,9 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ptq.algorithms.smoothquant import apply_smoothing_
+from ptq.algorithms import compiled
+from ptq.algorithms.smoothquant import apply_smoothing_, replace_
+from ptq.devices import cpu_parallel
 from ptq.errors import PtqError
 from ptq.primitives import fake_quantize, num_groups
 from ptq.schemes import QuantArgs
@@ -96,7 +100,6 @@ output error, then the number of elements summed. Sums, so that processes calibr
 shares of the samples add them (ptq.distributed.all_reduce_) and all choose alike."""
 
 CANDIDATE_ELEMENTS = 1 << 25  # candidate weights [c, out, in] held at once: 128 MiB of float32
-GEMM_CHUNK = 512  # terms per GEMM sum: up to 512 the result is the same for every thread count
 
 
 def grid_candidates(
@@ -152,9 +155,17 @@ def awq_search(
 
 def candidate_weights(W: Tensor, scales: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> Tensor:
     """Q(W·diag(s))·diag(1/s) for each candidate s, in W's dtype:
-    [candidates, out, in] from W [out, in] and scales [candidates, in]. Group and channel
-    schemes quantize the rows of all candidates in one call (their rows are independent)."""
+    [candidates, out, in] from W [out, in] and scales [candidates, in]. On a CPU, group and
+    channel schemes take the compiled grid (awq_grid.c, the same bits), one candidate per
+    task on the CPU's threads; otherwise group and channel schemes quantize the rows of all
+    candidates in one call (their rows are independent)."""
     W = W.detach()
+    if compiled.awq_grid_for(W, args, scale_dtype):
+        W32, s = W.float().contiguous(), scales.float().contiguous()
+        out = torch.empty((len(s), *W.shape), dtype=W.dtype)
+        cpu_parallel([functools.partial(compiled.awq_candidate, W32, s[c], args, scale_dtype, W.dtype, out[c], False)
+                      for c in range(len(s))], torch.get_num_threads())
+        return out
     s = scales.to(device=W.device, dtype=torch.float32).unsqueeze(1)  # [c, 1, in]
     scaled = W.float() * s  # [c, out, in]
     if args.strategy in ("group", "channel"):
@@ -169,31 +180,41 @@ def _chunks(scales: Tensor, weight_elements: int) -> tuple[Tensor, ...]:
     return scales.split(max(1, CANDIDATE_ELEMENTS // max(1, weight_elements)))
 
 
-def make_linear_loss(W: Tensor, gram: Tensor, tokens: int, *, args: QuantArgs,
+def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, args: QuantArgs,
                      scale_dtype: torch.dtype = torch.float32) -> LossSums:
-    """Loss sums of a balance Linear inspected by itself (o_proj, down_proj), from its inputs'
-    Gram matrix gram = Σ x xᵀ [in, in] (float32, over `tokens` tokens).
+    """Loss sums of balance Linears that read one input, each inspected by itself (o_proj,
+    down_proj; or every mapping with AWQStep.loss "linear"), summed over them: from their
+    input's Gram matrix gram = Σ x xᵀ [in, in] (float32, over `tokens` tokens).
 
     The output error of a candidate is X·ΔWᵀ (the bias cancels), so its squared sum is
-    tr(ΔW·G·ΔWᵀ), ΔW = candidate weight − W: out·in² multiply-adds per candidate instead of
-    tokens·in·out, in float32 GEMMs whose sums are split at GEMM_CHUNK terms (the same bits
-    for every thread count), each candidate's total summed in float64.
+    Σ ΔW ∘ (ΔW·G), ΔW = candidate weight − W: out·in² multiply-adds per candidate instead of
+    tokens·in·out, for the weights' rows stacked into one W. The GEMM runs in the forward
+    pass's precision: bf16 for bf16 weights (ΔW and G rounded to bf16, the products summed
+    in float32), float32 otherwise; the sum of the products in float64 (its runs in float32
+    on a CPU; compiled.dot). One candidate per task: on a CPU each is one single-threaded
+    GEMM (cpu_parallel), so the bits do not depend on the thread count.
     """
+    W = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [out, in]
     out_features, in_features = W.shape
-    G = gram.to(device=W.device, dtype=torch.float32)  # [in, in]
-    W32 = W.detach().float()  # [out, in]
+    gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32  # float16 G would overflow
+    G = gram.to(device=W.device, dtype=gemm_dtype)  # [in, in]
+    W32 = W.detach().float().contiguous()  # [out, in]
+    compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
+
+    def squared_error(s: Tensor) -> float:  # s [in]: one candidate
+        if compiled_grid:
+            dW = compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, torch.empty_like(W32, dtype=gemm_dtype),
+                                        delta=True)
+            return compiled.dot(dW @ G, dW)
+        dW = (candidate_weights(W, s.unsqueeze(0), args, scale_dtype)[0].float() - W32).to(gemm_dtype)
+        return float((dW @ G).float().mul_(dW.float()).sum(dtype=torch.float64))
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
-        sums = []
-        for part in _chunks(scales, W.numel()):
-            dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).view(-1, in_features)  # [c·out, in]
-            dWG = torch.zeros_like(dW)  # [c·out, in]
-            for a in range(0, in_features, GEMM_CHUNK):
-                dWG.addmm_(dW[:, a:a + GEMM_CHUNK], G[a:a + GEMM_CHUNK])
-            sums.append(dWG.mul_(dW).view(len(part), -1).sum(dim=1, dtype=torch.float64))  # [c]
-        count = torch.tensor([float(tokens * out_features)], dtype=torch.float64, device=W.device)
-        return torch.cat(sums + [count]).float()  # [candidates + 1]
+        s = scales.to(device=W.device, dtype=torch.float32).contiguous()
+        tasks = [functools.partial(squared_error, s[c]) for c in range(len(s))]
+        sums = cpu_parallel(tasks, torch.get_num_threads()) if W.device.type == "cpu" else [t() for t in tasks]
+        return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=W.device).float()
 
     return loss
 
@@ -336,4 +357,4 @@ def apply_clip_(linear: nn.Linear, max_val: Tensor) -> None:
         raise ValueError(f"max_val {tuple(max_val.shape)} does not fit a weight of shape {tuple(W.shape)}")
     bound = max_val.to(device=W.device, dtype=torch.float32)  # [out, groups]
     bound = bound.repeat_interleave(cols // max_val.shape[1], dim=1)  # [out, in]
-    W.copy_(torch.maximum(torch.minimum(W.float(), bound), -bound).to(W.dtype))  # [out, in]
+    replace_(W, torch.maximum(torch.minimum(W.float(), bound), -bound).to(W.dtype))  # [out, in]

@@ -1,5 +1,5 @@
-"""GPTQ's column loop on a CPU through the compiled gptq_loop.c (built at install when a C
-compiler is there; see setup.py), called with ctypes.
+"""GPTQ's column loop on a CPU through the compiled gptq_loop.c (ptq.algorithms.compiled
+loads it), called with ctypes.
 
 The torch loop (gptq._solve) dispatches about ten small ops per column; at SmolLM2's
 shapes that was most of the solve time, and on a busy CPU each op is a chance to wait
@@ -13,55 +13,31 @@ used, for the report. PTQ_GPTQ_LOOP=torch forces the torch loop.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib.util
 import os
 
 import torch
 from torch import Tensor
 
+from ptq.algorithms.compiled import KINDS, has_dtypes, library
 from ptq.devices import cpu_parallel
 from ptq.primitives import MSE_COARSE, MSE_FINE
 from ptq.schemes import QuantArgs
 
 ENV = "PTQ_GPTQ_LOOP"  # "torch": always the torch loop
-SCALE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MIN_ROWS_PER_THREAD = 64  # fewer rows gain nothing from another thread
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-@functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The loaded library, or None and why not."""
-    spec = importlib.util.find_spec("ptq.algorithms._gptq_loop")
-    if spec is None or not spec.origin:
-        return None, "ptq was installed without its compiled GPTQ loop (no C compiler at install time)"
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as error:
-        return None, f"the compiled GPTQ loop does not load: {error}"
-    lib.ptq_gptq_block.restype = ctypes.c_int
-    lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
-        _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P,
-        ctypes.c_int32, ctypes.c_float, ctypes.c_float, _P, _I, ctypes.c_float,
-    ]
-    lib.ptq_gptq_has_float16.restype = ctypes.c_int
-    return lib, None
 
 
 def unavailable() -> str | None:
     """Why CPU solves take the torch loop, or None when they take the compiled one."""
     if os.environ.get(ENV, "").lower() == "torch":
         return f"{ENV}=torch is set"
-    return _library()[1]
+    return library()[1]
 
 
 def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) -> str:
     """'compiled' or 'torch': the loop a solve on `device` with these weights takes."""
-    if device.type != "cpu" or args.type != "int" or scale_dtype not in SCALE_KINDS or unavailable():
-        return "torch"
-    if scale_dtype == torch.float16 and not _library()[0].ptq_gptq_has_float16():
+    if device.type != "cpu" or args.type != "int" or unavailable() or not has_dtypes(scale_dtype):
         return "torch"
     return "compiled"
 
@@ -79,7 +55,7 @@ class BlockLoop:
     def __init__(self, Wt: Tensor, Hinv: Tensor, E: Tensor, Qt: Tensor, group: Tensor, first: Tensor,
                  members: Tensor, importance: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs,
                  scale_dtype: torch.dtype, observer: str, threads: int):
-        self._lib = _library()[0]
+        self._lib = library()[0]
         mse = observer == "mse"
         candidates = torch.tensor(MSE_COARSE if mse else (1.0,), dtype=torch.float32)
         group, first, members = group.long().contiguous(), first.long().contiguous(), members.long().contiguous()
@@ -95,7 +71,7 @@ class BlockLoop:
             Wt.data_ptr(), rows, Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
-            SCALE_KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
+            KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
             candidates.numel(), MSE_FINE if mse else 0.0,
         )
 

@@ -17,49 +17,7 @@
    processing order; E [block, R] the block's scaled errors; Qt [cols, R] the int8 codes;
    scale, zero [groups, R] float32 (scale values exactly representable in the scale dtype). */
 
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTORIZED __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VECTORIZED
-#endif
-
-static const float ROUNDER = 12582912.0f; /* 1.5 * 2^23: x + R - R rounds |x| < 2^22 half to even */
-
-/* round half to even, then clamp to [lo, hi]. Exact for |x| < 2^22; larger |x| (and inf)
-   end beyond any 8-bit range and clamp as rint would. */
-static inline float round_clamp(float x, float lo, float hi) {
-    float r = (x + ROUNDER) - ROUNDER;
-    r = r < lo ? lo : r;
-    return r > hi ? hi : r;
-}
-
-static inline float to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (x finite) */
-    u &= 0xFFFF0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-static inline float to_scale_dtype(float x, int kind) {
-    if (kind == SCALE_BF16)
-        return to_bf16(x);
-#if defined(__FLT16_MAX__)
-    if (kind == SCALE_F16)
-        return (float)(_Float16)x;
-#endif
-    return x;
-}
-
-/* the smallest normal value of the scale dtype (torch.finfo(dtype).tiny) */
-static float tiny_of(int kind) { return kind == SCALE_F16 ? 6.103515625e-05f : 1.17549435e-38f; }
+#include "quant_math.h"
 
 typedef struct {
     int64_t R, r0, n;      /* row stride, first row, rows in the slice */
@@ -72,24 +30,8 @@ typedef struct {
 /* scale and zero of each row from its range [lo, hi] shrunk by `shrink` (qparams_from_minmax) */
 VECTORIZED static void params(const Shape *s, const float *lo, const float *hi, const float *shrink,
                               float *scale, float *zero) {
-    const float tiny = tiny_of(s->kind);
-    const float span = s->qmax - s->qmin, half = (s->qmax - s->qmin) / 2;
-    for (int64_t r = 0; r < s->n; r++) {
-        float xmin = lo[r] * shrink[r], xmax = hi[r] * shrink[r];
-        xmin = xmin > 0 ? 0 : xmin;
-        xmax = xmax < 0 ? 0 : xmax;
-        float sc;
-        if (s->asym) {
-            sc = to_scale_dtype((xmax - xmin) / span, s->kind);
-            sc = sc < tiny ? tiny : sc;
-            zero[r] = round_clamp(s->qmin - xmin / sc, s->qmin, s->qmax);
-        } else {
-            float absmax = -xmin > xmax ? -xmin : xmax;
-            sc = to_scale_dtype(absmax / half, s->kind);
-            sc = sc < tiny ? tiny : sc;
-        }
-        scale[r] = sc;
-    }
+    for (int64_t r = 0; r < s->n; r++)
+        group_params(lo[r] * shrink[r], hi[r] * shrink[r], s->qmin, s->qmax, s->kind, s->asym, scale + r, zero + r);
 }
 
 /* Σ_m importance[m] (x_m - dequantize(quantize(x_m)))² per row (primitives._rounding_error) */

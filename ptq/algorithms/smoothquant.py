@@ -91,4 +91,14 @@ def _scale_(param: Tensor, factor: Tensor, offset: float = 0.0) -> None:
         value = (value + offset) * factor.to(param.device) - offset
     else:
         value = value * factor.to(param.device)
-    param.copy_(value.to(param.dtype))
+    replace_(param, value.to(param.dtype))
+
+
+def replace_(param: Tensor, value: Tensor) -> None:
+    """Give param (a whole parameter, or a view into one) value's values. A whole one takes
+    value's memory: writing into a model loaded from safetensors instead copies each page
+    of the mapped file on first write, 7x the time of the arithmetic."""
+    if param._base is None:
+        param.data = value
+    else:
+        param.copy_(value)

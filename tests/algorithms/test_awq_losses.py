@@ -73,14 +73,14 @@ def test_gram_loss_equals_the_direct_loss():
     scales = _candidates(linear, X)
     exact = _exact_sums(linear, X, scales)  # [21]
     gram, tokens = _gram(X)
-    sums = make_linear_loss(linear.weight, gram, tokens, args=W4G32)(scales)  # [22]
+    sums = make_linear_loss([linear.weight], gram, tokens, args=W4G32)(scales)  # [22]
     assert sums.dtype == torch.float32 and sums.shape == (22,) and sums[-1] == tokens * 96
     torch.testing.assert_close(sums[:-1].double(), exact, rtol=1e-5, atol=0)
     direct = make_module_loss(linear, [linear], [((x,), {}) for x in X], args=W4G32)(scales)  # [22]
     assert torch.equal(direct[-1], sums[-1])
     torch.testing.assert_close(direct[:-1].double(), exact, rtol=1e-4, atol=0)
     # a chunk of candidates at a time gives the same sums
-    assert torch.equal(torch.cat([make_linear_loss(linear.weight, gram, tokens, args=W4G32)(part)[:-1]
+    assert torch.equal(torch.cat([make_linear_loss([linear.weight], gram, tokens, args=W4G32)(part)[:-1]
                                   for part in scales.split(4)]), sums[:-1])
 
 
@@ -88,7 +88,7 @@ def test_gram_loss_has_the_same_bits_for_every_thread_count():
     linear, X = _problem(1)
     scales = _candidates(linear, X)
     gram, tokens = _gram(X)
-    loss = make_linear_loss(linear.weight, gram, tokens, args=W4G32)
+    loss = make_linear_loss([linear.weight], gram, tokens, args=W4G32)
     results = []
     for threads in (1, 2, 3, 8):
         with cpu_threads(threads):
@@ -127,7 +127,7 @@ def _batched_search(x_mean, linears, inspect, calls, X, n_grid, duo_scaling):
     """As ptq.smoothing does: the Gram loss where the inspected module is the one balance Linear."""
     if len(linears) == 1 and inspect is linears[0]:
         gram, tokens = _gram(X)
-        loss = make_linear_loss(linears[0].weight, gram, tokens, args=W4G32)
+        loss = make_linear_loss([linears[0].weight], gram, tokens, args=W4G32)
     else:
         loss = make_module_loss(inspect, linears, calls, args=W4G32)
     result = awq_search(x_mean, [b.weight for b in linears], loss, args=W4G32, n_grid=n_grid, duo_scaling=duo_scaling)

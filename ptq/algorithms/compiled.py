@@ -1,0 +1,88 @@
+"""ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
+gptq_compiled) and AWQ's candidate grid (awq_grid.c, driven from here). One library, built
+at install when a C compiler is there (setup.py); without one ptq installs all the same,
+runs the torch references, and the report says so.
+
+The C code does the float32 steps of the torch references (no fused multiply-adds, sums
+in a fixed order), so its bits do not depend on the CPU or on how threads share the work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from ptq.schemes import QuantArgs
+
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The loaded library, or None and why not."""
+    spec = importlib.util.find_spec("ptq.algorithms._compiled")
+    if spec is None or not spec.origin:
+        return None, "ptq was installed without its compiled loops (no C compiler at install time)"
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as error:
+        return None, f"ptq's compiled loops do not load: {error}"
+    lib.ptq_gptq_block.restype = ctypes.c_int
+    lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
+        _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F,
+    ]
+    lib.ptq_gptq_has_float16.restype = ctypes.c_int
+    lib.ptq_awq_candidates.restype = ctypes.c_int
+    lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P]
+    lib.ptq_awq_dot.restype = ctypes.c_double
+    lib.ptq_awq_dot.argtypes = [_P, _P, _I, _C]
+    return lib, None
+
+
+def has_dtypes(*dtypes: torch.dtype) -> bool:
+    """Whether the compiled code rounds to every one of these dtypes (float16 needs a
+    compiler with _Float16)."""
+    lib = library()[0]
+    if lib is None or any(d not in KINDS for d in dtypes):
+        return False
+    return torch.float16 not in dtypes or bool(lib.ptq_gptq_has_float16())
+
+
+def awq_grid_for(W: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> bool:
+    """Whether AWQ's candidate weights of W [out, in] come from the compiled grid: integer
+    group or channel schemes on a CPU (a per-tensor range spans every row)."""
+    if W.device.type != "cpu" or args.type != "int" or args.strategy not in ("group", "channel"):
+        return False
+    if args.strategy == "group" and W.shape[1] % args.group_size:
+        return False
+    return has_dtypes(scale_dtype, W.dtype)
+
+
+def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dtype, weight_dtype: torch.dtype,
+                  out: Tensor, delta: bool) -> Tensor:
+    """Q(W·diag(s))·diag(1/s) rounded to weight_dtype (minus W when delta) into out [out, in]
+    (float32, bf16 or float16): awq.candidate_weights for one candidate s [in], from
+    W32 [out, in], W's values in float32 (awq_grid_for must have said yes)."""
+    rows, cols = W32.shape
+    assert W32.dtype == s.dtype == torch.float32 and W32.is_contiguous() and s.is_contiguous()
+    assert out.shape == W32.shape and out.is_contiguous() and out.dtype in KINDS
+    size = args.group_size if args.strategy == "group" else cols
+    status = library()[0].ptq_awq_candidates(
+        0, rows, W32.data_ptr(), cols, s.data_ptr(), size, KINDS[scale_dtype], float(args.qmin), float(args.qmax),
+        int(not args.symmetric), KINDS[weight_dtype], int(delta), KINDS[out.dtype], out.data_ptr())
+    if status:
+        raise MemoryError("AWQ's compiled grid ran out of memory for one row")
+    return out
+
+
+def dot(a: Tensor, b: Tensor) -> float:
+    """Σ a·b in float64 (exact products, a fixed order): a and b contiguous, of one dtype,
+    float32 or bf16."""
+    assert a.shape == b.shape and a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16)
+    assert a.is_contiguous() and b.is_contiguous()
+    return library()[0].ptq_awq_dot(a.data_ptr(), b.data_ptr(), a.numel(), KINDS[a.dtype])

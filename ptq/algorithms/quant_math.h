@@ -1,0 +1,72 @@
+/* Arithmetic shared by the compiled loops (gptq_loop.c, awq_grid.c): rounding as torch
+   rounds, the scale dtypes, and quantization parameters from a range, in the float32 steps
+   of ptq/primitives.py. */
+
+#ifndef PTQ_QUANT_MATH_H
+#define PTQ_QUANT_MATH_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 }; /* also the dtypes of weights and outputs */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTORIZED __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTORIZED
+#endif
+
+static const float ROUNDER = 12582912.0f; /* 1.5 * 2^23: x + R - R rounds |x| < 2^22 half to even */
+
+/* round half to even, then clamp to [lo, hi]. Exact for |x| < 2^22; larger |x| (and inf)
+   end beyond any 8-bit range and clamp as rint would. */
+static inline float round_clamp(float x, float lo, float hi) {
+    float r = (x + ROUNDER) - ROUNDER;
+    r = r < lo ? lo : r;
+    return r > hi ? hi : r;
+}
+
+static inline float to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (x finite) */
+    u &= 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline float to_scale_dtype(float x, int kind) {
+    if (kind == SCALE_BF16)
+        return to_bf16(x);
+#if defined(__FLT16_MAX__)
+    if (kind == SCALE_F16)
+        return (float)(_Float16)x;
+#endif
+    return x;
+}
+
+/* the smallest normal value of the scale dtype (torch.finfo(dtype).tiny) */
+static inline float tiny_of(int kind) { return kind == SCALE_F16 ? 6.103515625e-05f : 1.17549435e-38f; }
+
+/* scale and zero of one group from its range [lo, hi] (primitives.qparams_from_minmax): the
+   scale rounded to the scale dtype, the zero (asymmetric only) an integer held in a float */
+static inline void group_params(float lo, float hi, float qmin, float qmax, int kind, int asym, float *scale,
+                                float *zero) {
+    const float tiny = tiny_of(kind);
+    lo = lo > 0 ? 0 : lo;
+    hi = hi < 0 ? 0 : hi;
+    float sc;
+    if (asym) {
+        sc = to_scale_dtype((hi - lo) / (qmax - qmin), kind);
+        sc = sc < tiny ? tiny : sc;
+        *zero = round_clamp(qmin - lo / sc, qmin, qmax);
+    } else {
+        const float absmax = -lo > hi ? -lo : hi;
+        sc = to_scale_dtype(absmax / ((qmax - qmin) / 2), kind);
+        sc = sc < tiny ? tiny : sc;
+    }
+    *scale = sc;
+}
+
+#endif
