@@ -85,11 +85,21 @@ def weight_mean(weights: Sequence[Tensor], args: QuantArgs) -> Tensor:
 
 def grid_scales(x_mean: Tensor, w_mean: Tensor | None, ratio: float) -> Tensor:
     """s [in] for one grid point: x̄^r / w̄^(1−r) (w_mean given) or x̄^r, normalized, clamped."""
-    scales = x_mean.pow(ratio)
-    if w_mean is not None:
-        scales = scales / (w_mean.pow(1.0 - ratio) + MIN_SCALE)
+    return _grid_rows(x_mean, w_mean, [ratio], [w_mean is not None])[0]
+
+
+def _grid_rows(x_mean: Tensor, w_mean: Tensor | None, ratios: list[float], duo: list[bool]) -> Tensor:
+    """grid_scales of every ratio, [len(ratios), in], in a few ops over all rows: the rows
+    with duo divide by w̄^(1−r)."""
+    def column(values: list) -> Tensor:
+        return torch.tensor(values, device=x_mean.device).unsqueeze(1)  # [k, 1]
+
+    scales = x_mean.pow(column(ratios).float())  # [k, in]
+    if any(duo):
+        divisor = w_mean.pow(column([1.0 - r for r in ratios]).float()) + MIN_SCALE
+        scales = torch.where(column(duo), scales / divisor, scales)
     scales = scales.clamp(min=MIN_SCALE)
-    scales = scales / (scales.max() * scales.min()).sqrt()
+    scales = scales / (scales.amax(dim=1, keepdim=True) * scales.amin(dim=1, keepdim=True)).sqrt()
     scales = torch.where(torch.isfinite(scales), scales, torch.ones_like(scales))
     return scales.clamp(min=MIN_SCALE)
 
@@ -100,6 +110,7 @@ output error, then the number of elements summed. Sums, so that processes calibr
 shares of the samples add them (ptq.distributed.all_reduce_) and all choose alike."""
 
 CANDIDATE_ELEMENTS = 1 << 25  # candidate weights [c, out, in] held at once: 128 MiB of float32
+TASK_ELEMENTS = 1 << 20  # the Gram loss's candidates per task: this many weights (one at least)
 
 
 def grid_candidates(
@@ -110,8 +121,8 @@ def grid_candidates(
     grids = {True: (True,), False: (False,), "both": (True, False)}[duo_scaling]
     labels: list[tuple[float | None, bool]] = [(None, False)]
     labels += [(i / n_grid, duo) for duo in grids for i in range(n_grid)]
-    rows = [torch.ones_like(x_mean)] + [grid_scales(x_mean, w_mean if duo else None, r) for r, duo in labels[1:]]
-    return torch.stack(rows), labels  # [candidates, in]
+    rows = _grid_rows(x_mean, w_mean, [r for r, _ in labels[1:]], [duo for _, duo in labels[1:]])
+    return torch.cat([torch.ones_like(x_mean).unsqueeze(0), rows]), labels  # [candidates, in]
 
 
 @torch.no_grad()
@@ -201,19 +212,23 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     W32 = W.detach().float().contiguous()  # [out, in]
     compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
 
-    def squared_error(s: Tensor) -> float:  # s [in]: one candidate
+    def squared_errors(part: Tensor) -> list[float]:  # part [k, in]: k candidates
         if compiled_grid:
-            dW = compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, torch.empty_like(W32, dtype=gemm_dtype),
-                                        delta=True)
-            return compiled.dot(dW @ G, dW)
-        dW = (candidate_weights(W, s.unsqueeze(0), args, scale_dtype)[0].float() - W32).to(gemm_dtype)
-        return float((dW @ G).float().mul_(dW.float()).sum(dtype=torch.float64))
+            dW = torch.empty((len(part), *W.shape), dtype=gemm_dtype)  # [k, out, in]
+            for s, d in zip(part, dW):
+                compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)
+            dWG = (dW.view(-1, in_features) @ G).view_as(dW)
+            return [compiled.dot(a, b) for a, b in zip(dWG, dW)]
+        dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(gemm_dtype)  # [k, out, in]
+        dWG = (dW.view(-1, in_features) @ G).view_as(dW)
+        return dWG.float().mul_(dW.float()).flatten(1).sum(dim=1, dtype=torch.float64).tolist()
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
         s = scales.to(device=W.device, dtype=torch.float32).contiguous()
-        tasks = [functools.partial(squared_error, s[c]) for c in range(len(s))]
+        tasks = [functools.partial(squared_errors, part) for part in s.split(max(1, TASK_ELEMENTS // W.numel()))]
         sums = cpu_parallel(tasks, torch.get_num_threads()) if W.device.type == "cpu" else [t() for t in tasks]
+        sums = [value for part in sums for value in part]
         return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=W.device).float()
 
     return loss
