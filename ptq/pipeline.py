@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ptq import moe
+from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
 from ptq.arch import check_linear_layers, check_mappings, find_blocks
@@ -35,7 +36,7 @@ from ptq.models import float32_names
 from ptq.modules import QuantLinear
 from ptq.moe_policy import check_experts_scheme, natural_key, router_notes, router_safe
 from ptq.targets import matches
-from ptq.recipe import GPTQStep, Recipe, WeightStep, load_recipe
+from ptq.recipe import AWQStep, GPTQStep, Recipe, WeightStep, load_recipe
 from ptq.smoothing import smooth_block_
 from ptq.stage_solve import install as install_solved
 from ptq.stage_solve import gather_rows, replace_linear, rows_split, solve_shared_input
@@ -174,6 +175,12 @@ def quantize(
             report.cpu["gptq_loop"] = "torch" if why else "compiled"
             if why:
                 report.notes.append(f"GPTQ's column loop ran in torch, several times slower than compiled: {why}")
+        if any(isinstance(t, AWQStep) for t in recipe.transforms):
+            why = compiled_unavailable()
+            report.cpu["awq_grid"] = "torch" if why else "compiled"
+            if why:
+                report.notes.append(f"AWQ's candidate weights were computed in torch, several times slower than "
+                                    f"compiled: {why}")
     if planned is not None:
         report.notes.extend(planned.notes())
     else:

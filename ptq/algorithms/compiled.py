@@ -44,6 +44,11 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
+def unavailable() -> str | None:
+    """Why the compiled loops cannot be used, or None when they can."""
+    return library()[1]
+
+
 def has_dtypes(*dtypes: torch.dtype) -> bool:
     """Whether the compiled code rounds to every one of these dtypes (float16 needs a
     compiler with _Float16)."""

@@ -19,6 +19,7 @@ import os
 import torch
 from torch import Tensor
 
+from ptq.algorithms import compiled
 from ptq.algorithms.compiled import KINDS, has_dtypes, library
 from ptq.devices import cpu_parallel
 from ptq.primitives import MSE_COARSE, MSE_FINE
@@ -32,7 +33,7 @@ def unavailable() -> str | None:
     """Why CPU solves take the torch loop, or None when they take the compiled one."""
     if os.environ.get(ENV, "").lower() == "torch":
         return f"{ENV}=torch is set"
-    return library()[1]
+    return compiled.unavailable()
 
 
 def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) -> str:

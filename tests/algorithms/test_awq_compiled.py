@@ -1,0 +1,126 @@
+"""AWQ's compiled candidate grid (awq_grid.c) against the torch fake quantization it replaces
+on a CPU: the same bits for every scheme and dtype it takes; its dot product against float64;
+the Gram loss it feeds against the torch path and against the exact float64 loss; and the
+report's note when ptq runs without its compiled loops."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import ptq
+from ptq.algorithms import compiled
+from ptq.algorithms.awq import candidate_weights, make_linear_loss
+from ptq.recipe import load_recipe
+from ptq.schemes import QuantArgs
+
+SCALE_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if compiled.has_dtypes(torch.float16) else [])
+
+
+def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [37, 192] with one outlier, and 4 candidate scales [4, 192] (the first s = 1)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(37, 192, generator=g) * 0.05
+    W[3, 5] = 0.9
+    scales = torch.rand(4, 192, generator=g) * 3 + 0.05
+    scales[0] = 1
+    return W.to(dtype), scales
+
+
+def _torch_candidates(W, scales, args, scale_dtype, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "awq_grid_for", lambda *a: False)
+        return candidate_weights(W, scales, args, scale_dtype)
+
+
+def test_the_compiled_grid_was_built():
+    assert compiled.unavailable() is None
+
+
+@pytest.mark.parametrize("bits, symmetric, group_size",
+                         list(itertools.product((2, 3, 4, 8), (True, False), (32, None))))
+def test_compiled_candidates_have_the_bits_of_torch_fake_quantization(bits, symmetric, group_size, monkeypatch):
+    args = QuantArgs(num_bits=bits, symmetric=symmetric, strategy="group" if group_size else "channel",
+                     group_size=group_size)
+    for weight_dtype, scale_dtype in itertools.product((torch.float32, torch.bfloat16), SCALE_DTYPES):
+        W, scales = _weights(weight_dtype)
+        assert compiled.awq_grid_for(W, args, scale_dtype)
+        reference = _torch_candidates(W, scales, args, scale_dtype, monkeypatch)  # [4, out, in]
+        got = candidate_weights(W, scales, args, scale_dtype)
+        assert got.dtype == weight_dtype
+        # bit for bit: equal as integers, so -0 and +0 differ too
+        assert torch.equal(got.view(torch.int16 if weight_dtype == torch.bfloat16 else torch.int32),
+                           reference.view(got.view(torch.int16 if weight_dtype == torch.bfloat16 else torch.int32).dtype))
+        # the loss's differences, rounded to bf16 as the Gram GEMM takes them
+        delta = torch.empty(W.shape, dtype=torch.bfloat16)
+        compiled.awq_candidate(W.float().contiguous(), scales[2].contiguous(), args, scale_dtype, weight_dtype, delta,
+                               delta=True)
+        assert torch.equal(delta, (reference[2].float() - W.float()).bfloat16())
+
+
+def test_the_grid_falls_back_to_torch_where_it_does_not_apply():
+    W = torch.zeros(8, 64)
+    assert not compiled.awq_grid_for(W, QuantArgs(num_bits=4, strategy="tensor"), torch.float32)
+    assert not compiled.awq_grid_for(W, QuantArgs(num_bits=8, type="float", strategy="channel"), torch.float32)
+    assert not compiled.awq_grid_for(W, QuantArgs(num_bits=4, strategy="group", group_size=48), torch.float32)
+    assert not compiled.awq_grid_for(W.to("meta"), QuantArgs(num_bits=4, strategy="group", group_size=32),
+                                     torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 255, 256, 100_003])
+def test_dot_is_the_float64_sum_of_products(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    exact = float((a.double() * b.double()).sum())
+    # runs of 256 products are summed in float32: relative to Σ|a·b|, within 2^-20
+    assert abs(compiled.dot(a, b) - exact) <= 2**-20 * float((a.double() * b.double()).abs().sum())
+
+
+def _gram_problem(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(2048, 256, generator=g)
+    X[:, :4] *= 20
+    X = X.to(dtype).float()
+    weights = [(torch.randn(rows, 256, generator=g) / 16).to(dtype) for rows in (96, 32)]
+    scales = torch.rand(6, 256, generator=g) + 0.5
+    return X, X.t() @ X, weights, scales
+
+
+def _exact(X, weights, scales, args):
+    W = torch.cat(weights)
+    dW = candidate_weights(W, scales, args, torch.float32).double() - W.double()  # [c, out, in]
+    return torch.einsum("ti,coi->cto", X.double(), dW).square().sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_gram_loss_of_stacked_weights_equals_the_exact_loss(dtype, rtol, monkeypatch):
+    """float32 weights: float32 GEMMs, within 1e-5 of float64. bf16 weights: ΔW and G are
+    rounded to bf16 for the GEMM (the forward pass's precision), within 1e-3 (measured
+    5e-4; on the bundled and SmolLM2-shaped models float32 GEMMs chose the same ratio in all
+    102 pairs); the compiled and torch paths give the same GEMM, so agree within 1e-6."""
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32)
+    X, G, weights, scales = _gram_problem(dtype)
+    exact = _exact(X, weights, scales, args)
+    sums = make_linear_loss(weights, G, X.shape[0], args=args)(scales)  # [c + 1]
+    assert sums[-1] == X.shape[0] * 128
+    torch.testing.assert_close(sums[:-1].double(), exact, rtol=rtol, atol=0)
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "awq_grid_for", lambda *a: False)
+        in_torch = make_linear_loss(weights, G, X.shape[0], args=args)(scales)
+    torch.testing.assert_close(in_torch, sums, rtol=1e-6, atol=0)
+
+
+def test_running_without_the_compiled_loops_is_named_in_the_report(monkeypatch):
+    monkeypatch.setattr(compiled, "library", lambda: (None, "no compiler here"))
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "w4a16-awq.yaml")
+    recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"samples": 4})})
+    model, tokenizer = ptq.load_model("builtin")
+    ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
+    report = model.ptq_report
+    assert report.cpu["awq_grid"] == "torch"
+    assert any("AWQ's candidate weights were computed in torch" in note and "no compiler here" in note
+               for note in report.notes)
