@@ -132,7 +132,8 @@ def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size
     report = model.ptq_report
     return {"wall": time.perf_counter() - start, "quantize": report.seconds,
             "gptq": report.timings.get("GPTQ solves", 0.0),
-            "awq": sum(v for k, v in report.timings.items() if k.lower() == "awq search"),
+            "awq": report.timings.get("awq search", 0.0),
+            "awq_statistics": report.timings.get("awq statistics", 0.0),
             "peak_rss_mb": peak_rss_mb(), "timings": report.timings,
             "compute_dtype": str(report.compute_dtype).removeprefix("torch.")}
 
@@ -226,15 +227,19 @@ def gptq_table(args, results) -> None:
 def awq_table(args, results) -> None:
     clip = "with ptq's clipping search" if args.awq_clip else "no clipping"
     print(f"\nAWQ W4A16 (grid 20, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
-    print(f"{'model':8} {'tool':20} {'dtype':15} {'wall s':>7} {'AWQ search':>10} {'ptq GPTQ solves':>15} "
-          f"{'search/solves':>13} {'ppl':>7}")
+    print("(AWQ search: the grid's losses and applying the scales; AWQ statistics: the pass through each block "
+          "that collects mean |x|, the Gram matrices or the inspected inputs, as GPTQ's Hessian pass)")
+    print(f"{'model':8} {'tool':20} {'dtype':15} {'wall s':>7} {'AWQ stats':>9} {'AWQ search':>10} "
+          f"{'ptq GPTQ solves':>15} {'search/solves':>13} {'ppl':>7}")
     for method, label in (("awq", "loss: module"), ("awq-linear", "loss: linear")):
         for name, tool, dtype, runs in _runs_of(results, method):
             solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
             search = median(runs, "awq") if tool == "ptq" else float("nan")
+            stats = median(runs, "awq_statistics") if tool == "ptq" else float("nan")
             shown = f"{tool} ({label})" if tool == "ptq" else tool
             print(f"{name:8} {shown:20} {dtype_shown(tool, dtype, runs):15} {median(runs, 'wall'):7.1f} "
-                  f"{search:10.1f} {solves:15.1f} {search / solves:12.2f}x {runs[-1].get('ppl', float('nan')):7.3f}")
+                  f"{stats:9.2f} {search:10.2f} {solves:15.2f} {search / solves:12.2f}x "
+                  f"{runs[-1].get('ppl', float('nan')):7.3f}")
 
 
 def floor_table(args, results) -> dict[str, float]:
@@ -308,7 +313,7 @@ def goals(args, results, floor_ratios, slowdowns) -> None:
         for method, loss in (("awq", "module"), ("awq-linear", "linear")):
             if (name, "ptq", method, "auto") in results:
                 search, solves = median(results[(name, "ptq", method, "auto")], "awq"), median(ptq_runs, "gptq")
-                rows.append((f"AWQ search (loss: {loss}) <= GPTQ solves, {name}", f"{search:.1f} s vs {solves:.1f} s "
+                rows.append((f"AWQ search (loss: {loss}) <= GPTQ solves, {name}", f"{search:.2f} s vs {solves:.2f} s "
                              f"({search / solves:.2f}x)", search <= solves))
     if "ptq" in slowdowns:
         mine = slowdowns["ptq"][1] / slowdowns["ptq"][0]
