@@ -314,11 +314,13 @@ def _awq_modifier(f: Fields, plan: _Plan) -> None:
     f.no_effect("sequential_targets", "ptq's runner calibrates decoder layer by decoder layer")
     weights = plan.weights_of(f) if quantizes else None
     f.finish(AWQ_FIELDS + QUANT_FIELDS)
-    options: dict[str, Any] = {"n_grid": n_grid, "duo_scaling": duo_scaling, "clip": False}
+    options: dict[str, Any] = {"n_grid": n_grid, "duo_scaling": duo_scaling, "clip": False, "loss": "module"}
     if mappings is not None:
         options["mappings"] = [_awq_mapping(f, i, m) for i, m in enumerate(_items(f, mappings))]
     plan.add_transform(f.where, _build(AWQStep, options, f, {}))
     f.note(f"{f.where}: clip: false, as llm-compressor's AWQ searches scales only (ptq's default also clips)")
+    f.note(f"{f.where}: loss: module, as llm-compressor's AWQ scores each grid point by the inspected module's "
+           "output (ptq's default, linear, scores the balance Linears' own outputs)")
     if mappings is None:
         _table_note(f, "AWQ: norm -> q/k/v, v_proj -> o_proj, norm -> gate/up, up_proj -> down_proj, as ptq's table")
     if weights is not None:

@@ -176,9 +176,9 @@ EXPECTED = {
     "fp8-dynamic": (FP8_DYNAMIC, Recipe(calibration=CALIBRATION, steps=[
         RTNStep(scheme=PRESETS["FP8_DYNAMIC"], targets=["Linear"], ignore=["lm_head"])])),
     "awq-w4a16-asym": (AWQ_W4A16_ASYM, Recipe(calibration=CALIBRATION, steps=[
-        AWQStep(duo_scaling="both", clip=False), W4A16_ASYM_RTN])),
+        AWQStep(duo_scaling="both", clip=False, loss="module"), W4A16_ASYM_RTN])),
     "awq-then-quantization": (AWQ_THEN_QUANTIZATION, Recipe(calibration=CALIBRATION, steps=[
-        AWQStep(duo_scaling="both", clip=False), W4A16_ASYM_RTN])),
+        AWQStep(duo_scaling="both", clip=False, loss="module"), W4A16_ASYM_RTN])),
     "config-groups-actorder": (CONFIG_GROUPS_ACTORDER, Recipe(calibration=CALIBRATION, steps=[
         _gptq("W4A16", actorder="group", block_size=64, damp=0.05)])),
     "fp8-kv": (FP8_KV, Recipe(calibration=CALIBRATION, steps=[
