@@ -150,23 +150,22 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ptq-cpu")
 
 
-def _on_one_thread(task: Callable):
-    if torch.get_num_threads() != 1:  # a pool thread keeps the count it first saw
-        torch.set_num_threads(1)
+def _on_threads(n: int, task: Callable):
+    if torch.get_num_threads() != n:  # a pool thread keeps the count it last set
+        torch.set_num_threads(n)
     return task()
 
 
-def cpu_parallel(tasks: list[Callable], threads: int) -> list:
-    """Run independent tasks on `threads` Python threads, each task's torch ops on one
-    OpenMP thread; their results in order.
+def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1) -> list:
+    """Run independent tasks on `threads` Python threads, each task's torch ops on
+    threads_per_task OpenMP threads (one by default); their results in order.
 
     For work split into pieces whose bits must not depend on the thread count (each piece
-    computed by one single-threaded op), and that on a busy CPU should not wait on each
+    computed by single-threaded ops), and that on a busy CPU should not wait on each
     other: a thread that is descheduled holds up only its own piece, while the others take
     the next ones. torch ops and ctypes calls let go of the GIL, so the threads run at once.
     """
-    with cpu_threads(1):
+    with cpu_threads(threads_per_task):
         if threads <= 1 or len(tasks) <= 1:
             return [task() for task in tasks]
-        return list(_pool(threads).map(_on_one_thread, tasks))
-
+        return list(_pool(threads).map(functools.partial(_on_threads, threads_per_task), tasks))

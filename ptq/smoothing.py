@@ -10,6 +10,7 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,10 +90,7 @@ def _awq_(
     # a router, the only way routed experts could share one, is refused: moe.router_reads)
     start = time.perf_counter()
     inspected = _InspectedInputs(mappings, per_linear=step.loss == "linear")
-    try:
-        observers = run.collect(_first_inputs(mappings), MeanAbsObserver)
-    finally:
-        inspected.remove()
+    observers = run.collect(_first_inputs(mappings), MeanAbsObserver, hooks=inspected.hooks)
     seconds = time.perf_counter() - start
     done = {}
     for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
@@ -137,21 +135,22 @@ class _InspectedInputs:
         self.mappings = mappings
         self.grams: dict[int, HessianObserver] = {}
         self.calls: dict[int, list] = {}
-        self.handles = []
+        self.hooks: dict[nn.Module, Callable[[tuple, dict], None]] = {}  # for BlockRun.collect
         for i, m in enumerate(mappings):
             if per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
                 self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
-                hook = lambda _m, a, kw, o=self.grams[i]: o.update(a[0])  # noqa: E731
-                hooked = m.balance[0]  # the balance Linears read one input
+                self._add(m.balance[0], lambda a, kw, o=self.grams[i]: o.update(a[0]))  # they read one input
             else:
                 self.calls[i] = []
-                hook = lambda _m, a, kw, c=self.calls[i]: c.append((a, kw))  # noqa: E731
-                hooked = m.inspect
-            self.handles.append(hooked.register_forward_pre_hook(hook, with_kwargs=True))
+                self._add(m.inspect, lambda a, kw, c=self.calls[i]: c.append((a, kw)))
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    def _add(self, module: nn.Module, callback: Callable[[tuple, dict], None]) -> None:
+        """One more callback for module's calls (mappings may inspect the same module)."""
+        before = self.hooks.get(module)
+        if before is None:
+            self.hooks[module] = callback
+        else:
+            self.hooks[module] = lambda a, kw: (before(a, kw), callback(a, kw))
 
     def loss(self, i: int, args: QuantArgs, scale_dtype: torch.dtype) -> LossSums:
         """The mapping's loss sums over the samples of every process (ptq.distributed): the

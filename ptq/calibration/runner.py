@@ -20,20 +20,25 @@ and with which observer.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ptq.calibration.observers import Observer
+from ptq.devices import cpu_parallel
 from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
 BATCH_SIZE = 2  # calibration samples run through a block together
+MAX_BATCHES_IN_FLIGHT = 8  # on a CPU, batches run side by side at most (BlockRun.map_batches)
+T = TypeVar("T")
 
 
 class BlockWeights(Protocol):
@@ -206,42 +211,82 @@ class BlockRun:
         linears: dict[str, nn.Linear],
         make_observer: Callable[[], Observer],
         stop_at: nn.Module | None = None,
+        hooks: dict[nn.Module, Callable[[tuple, dict], None]] | None = None,
     ) -> dict[str, Observer]:
         """Run every batch through the block and observe the inputs of the given Linears.
 
         Linears that receive the very same input tensor (q/k/v, gate/up) share one
         observer, so their statistic is computed once. With stop_at, each pass ends when
-        that module is about to run (nothing after it is needed).
+        that module is about to run (nothing after it is needed). hooks: callbacks given
+        the (args, kwargs) each of these modules is called with. Batches may run side by
+        side (map_batches): what they observe is recorded, and observers and hooks see it
+        batch by batch in order, call by call, on this thread.
         """
         observers: dict[str, Observer] = {}
-        seen: list[tuple[Tensor, Observer]] = []  # inputs of this batch, kept alive
+        record = threading.local()  # each thread's pass records its batch's calls
 
         def observe(name: str):
-            def hook(_module, args):
+            return lambda _module, args: record.calls.append((name, args, None))
+
+        def call(callback: Callable[[tuple, dict], None]):
+            return lambda _module, args, kwargs: record.calls.append((callback, args, kwargs))
+
+        def run(args: tuple, kwargs: dict) -> list[tuple]:
+            record.calls = []
+            run_until_stopped(self.block, *args, **kwargs)
+            return record.calls
+
+        def replay(calls: list[tuple]) -> None:
+            seen: list[tuple[Tensor, Observer]] = []  # this batch's inputs and their observers
+            for what, args, kwargs in calls:
+                if not isinstance(what, str):
+                    what(args, kwargs)
+                    continue
                 x = args[0]
-                for tensor, observer in seen:
-                    if tensor is x:
-                        observers.setdefault(name, observer)
-                        return
-                observer = observers.get(name) or make_observer()
-                observers[name] = observer
+                shared = next((observer for tensor, observer in seen if tensor is x), None)
+                if shared is not None:
+                    observers.setdefault(what, shared)
+                    continue
+                observer = observers.get(what) or make_observer()
+                observers[what] = observer
                 observer.update(x)
                 seen.append((x, observer))
 
-            return hook
-
-        handles = [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
+        handles = [m.register_forward_pre_hook(call(c), with_kwargs=True) for m, c in (hooks or {}).items()]
+        handles += [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
         if stop_at is not None:
             handles.append(stop_at.register_forward_pre_hook(_raise_stop))
         try:
-            for args, kwargs in self.inputs:
-                seen.clear()
-                run_until_stopped(self.block, *args, **kwargs)
+            for calls in self.map_batches(run):
+                replay(calls)
         finally:
-            seen.clear()
             for handle in handles:
                 handle.remove()
         return observers
+
+    def map_batches(self, function: Callable[[tuple, dict], T]) -> Iterator[T]:
+        """function(args, kwargs) of every batch, in order.
+
+        On a CPU up to MAX_BATCHES_IN_FLIGHT batches run side by side, each on its own
+        thread with an equal share of torch's threads (one each on up to 8 cores:
+        devices.cpu_parallel). No op then waits for a partner thread at a barrier (on a busy
+        CPU a descheduled thread holds up only its own batch), and there no op splits a sum
+        by the thread count. Results are taken a wave of batches at a time (one per thread
+        in flight), which bounds what waits in memory."""
+        threads = torch.get_num_threads()
+        if threads <= 1 or len(self.inputs) <= 1 or next(self.block.parameters()).device.type != "cpu":
+            for args, kwargs in self.inputs:
+                yield function(args, kwargs)
+            return
+
+        def task(i: int):
+            with torch.no_grad():  # grad mode is per thread
+                return function(*self.inputs[i])
+
+        in_flight = min(threads, MAX_BATCHES_IN_FLIGHT)
+        for start in range(0, len(self.inputs), in_flight):
+            indices = range(start, min(start + in_flight, len(self.inputs)))
+            yield from cpu_parallel([functools.partial(task, i) for i in indices], in_flight, threads // in_flight)
 
     @torch.no_grad()
     def first_input(self, module: nn.Module) -> Tensor:
@@ -265,8 +310,8 @@ class BlockRun:
     def outputs(self) -> Inputs:
         """The next block's inputs: this block's outputs for every batch."""
         with cached_weight(self.block):
-            return [_with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))
-                    for args, kwargs in self.inputs]
+            return list(self.map_batches(
+                lambda args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))))
 
 
 def _raise_stop(_module, _args):
