@@ -18,17 +18,16 @@ is tried too, so the search never picks scales worse than RTN on the calibration
 Optional clipping (llm-awq `auto_clip`) then shrinks each group's range where that lowers
 the group's output error.
 
-All 1 + n_grid candidates (1 + 2·n_grid with both grids) are fake-quantized in one call
-and scored by one loss call, which returns squared-error sums (LossSums). Where the
-inspected module is the balance Linear itself (o_proj, down_proj) the loss needs no
-forward pass: from the Gram matrix G = Σ x xᵀ of its inputs each candidate costs out·in²
-multiply-adds (`make_linear_loss`) instead of tokens·in·out. Other inspected modules
-(attention, MLP) take one forward pass of every cached batch per candidate
-(`make_module_loss`): tokens·(that module's FLOPs per token) per candidate, by far the
-largest cost of the search. The recipe's `loss: linear` scores every mapping by its balance
-Linears' own output errors instead, Σ_j ‖X·ΔW_jᵀ‖² from their shared input's Gram matrix:
-the objective of the AWQ paper (its Eq. 4), where AutoAWQ and llm-compressor inspect the
-enclosing attention or MLP module (the default, `loss: module`).
+All 1 + n_grid candidates (1 + 2·n_grid with both grids) are scored by one loss call,
+which returns squared-error sums (LossSums). The recipe's `loss: linear` (the default)
+scores every mapping by its balance Linears' own output errors, Σ_j ‖X·ΔW_jᵀ‖², the
+objective of the AWQ paper (its Eq. 4): from the Gram matrix G = Σ x xᵀ of their shared
+input each candidate costs out·in² multiply-adds (`make_linear_loss`) instead of
+tokens·in·out, and no forward pass. `loss: module` scores it as AutoAWQ and llm-compressor
+do, by the output error of the enclosing attention or MLP module: one forward pass of every
+cached batch per candidate (`make_module_loss`), tokens·(that module's FLOPs per token),
+by far the largest cost of the search (where the inspected module is the balance Linear
+itself, o_proj or down_proj, both losses are the Gram one).
 
 Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
 `apply_awq_` and `apply_clip_` change modules in place. The arithmetic is float32 but for
@@ -202,8 +201,9 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     tokens·in·out, for the weights' rows stacked into one W. The GEMM runs in the forward
     pass's precision: bf16 for bf16 weights (ΔW and G rounded to bf16, the products summed
     in float32), float32 otherwise; the sum of the products in float64 (its runs in float32
-    on a CPU; compiled.dot). One candidate per task: on a CPU each is one single-threaded
-    GEMM (cpu_parallel), so the bits do not depend on the thread count.
+    on a CPU; compiled.dot). Candidates go TASK_ELEMENTS weights to a task; on a CPU each
+    task's GEMM runs on one thread (cpu_parallel), so the bits do not depend on the thread
+    count.
     """
     W = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [out, in]
     out_features, in_features = W.shape
