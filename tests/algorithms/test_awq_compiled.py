@@ -6,16 +6,15 @@ report's note when ptq runs without its compiled loops."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 
-import ptq
 from ptq.algorithms import compiled
 from ptq.algorithms.awq import candidate_weights, make_linear_loss
-from ptq.recipe import load_recipe
 from ptq.schemes import QuantArgs
+
+from .test_gptq_compiled import report_of
 
 SCALE_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if compiled.has_dtypes(torch.float16) else [])
 
@@ -116,11 +115,7 @@ def test_gram_loss_of_stacked_weights_equals_the_exact_loss(dtype, rtol, monkeyp
 
 def test_running_without_the_compiled_loops_is_named_in_the_report(monkeypatch):
     monkeypatch.setattr(compiled, "library", lambda: (None, "no compiler here"))
-    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "w4a16-awq.yaml")
-    recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"samples": 4})})
-    model, tokenizer = ptq.load_model("builtin")
-    ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
-    report = model.ptq_report
+    report = report_of("w4a16-awq.yaml")
     assert report.cpu["awq_grid"] == "torch"
     assert any("AWQ's candidate weights were computed in torch" in note and "no compiler here" in note
                for note in report.notes)

@@ -78,12 +78,17 @@ def test_fp8_and_gpu_solves_keep_the_torch_loop():
     assert gptq_compiled.loop_for(torch.device("cuda"), int4, torch.bfloat16) == "torch"
 
 
-def test_forcing_the_torch_loop_is_named_in_the_report(monkeypatch):
-    monkeypatch.setenv(gptq_compiled.ENV, "torch")
-    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "w4a16-gptq.yaml")
+def report_of(recipe_file: str):
+    """The report of the bundled model quantized by recipes/<recipe_file> on 4 samples."""
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / recipe_file)
     recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"samples": 4})})
     model, tokenizer = ptq.load_model("builtin")
     ptq.quantize(model, recipe, tokenizer=tokenizer, show_progress=False)
-    report = model.ptq_report
+    return model.ptq_report
+
+
+def test_forcing_the_torch_loop_is_named_in_the_report(monkeypatch):
+    monkeypatch.setenv(gptq_compiled.ENV, "torch")
+    report = report_of("w4a16-gptq.yaml")
     assert report.cpu["gptq_loop"] == "torch"
     assert any("GPTQ's column loop ran in torch" in note and "PTQ_GPTQ_LOOP=torch" in note for note in report.notes)
