@@ -231,7 +231,7 @@ class BlockRun:
         def call(callback: Callable[[tuple, dict], None]):
             return lambda _module, args, kwargs: record.calls.append((callback, args, kwargs))
 
-        def run(args: tuple, kwargs: dict) -> list[tuple]:
+        def run(_index: int, args: tuple, kwargs: dict) -> list[tuple]:
             record.calls = []
             run_until_stopped(self.block, *args, **kwargs)
             return record.calls
@@ -264,8 +264,8 @@ class BlockRun:
                 handle.remove()
         return observers
 
-    def map_batches(self, function: Callable[[tuple, dict], T]) -> Iterator[T]:
-        """function(args, kwargs) of every batch, in order.
+    def map_batches(self, function: Callable[[int, tuple, dict], T]) -> Iterator[T]:
+        """function(index, args, kwargs) of every batch, in order.
 
         On a CPU up to MAX_BATCHES_IN_FLIGHT batches run side by side, each on its own
         thread with an equal share of torch's threads (one each on up to 8 cores:
@@ -275,13 +275,13 @@ class BlockRun:
         in flight), which bounds what waits in memory."""
         threads = torch.get_num_threads()
         if threads <= 1 or len(self.inputs) <= 1 or next(self.block.parameters()).device.type != "cpu":
-            for args, kwargs in self.inputs:
-                yield function(args, kwargs)
+            for i, (args, kwargs) in enumerate(self.inputs):
+                yield function(i, args, kwargs)
             return
 
         def task(i: int):
             with torch.no_grad():  # grad mode is per thread
-                return function(*self.inputs[i])
+                return function(i, *self.inputs[i])
 
         in_flight = min(threads, MAX_BATCHES_IN_FLIGHT)
         for start in range(0, len(self.inputs), in_flight):
@@ -311,7 +311,7 @@ class BlockRun:
         """The next block's inputs: this block's outputs for every batch."""
         with cached_weight(self.block):
             return list(self.map_batches(
-                lambda args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))))
+                lambda _i, args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))))
 
 
 def _raise_stop(_module, _args):

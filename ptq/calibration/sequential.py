@@ -23,6 +23,7 @@ between them (attention core, norms), instead of two or more full passes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,10 +36,21 @@ from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _wit
 from ptq.modules import cached_weight
 
 
-@dataclass
 class _Batch:
-    device: torch.device  # the compute device: replayed outputs return to it
-    index: int = 0
+    """Which batch the calling thread's pass runs (BlockRun.map_batches runs batches on
+    several threads at once), and the compute device replayed outputs return to."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._local = threading.local()
+
+    @property
+    def index(self) -> int:
+        return self._local.index
+
+    @index.setter
+    def index(self, value: int) -> None:
+        self._local.index = value
 
 
 class _Replay(nn.Module):
@@ -213,11 +225,12 @@ def quantize_block_sequentially(
             done.add(name)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
-    next_inputs: Inputs = []
+    def final(index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        batch.index = index
+        return _with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs))))
+
     with _replaying(run.block, replays, batch), cached_weight(run.block):
-        for batch.index, (args, kwargs) in enumerate(run.inputs):
-            next_inputs.append(_with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs)))))
-    return next_inputs
+        return list(run.map_batches(final))
 
 
 def _replay_returning_modules(
@@ -233,25 +246,36 @@ def _replay_returning_modules(
 
 def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded, last_use) -> dict[str, list]:
     """One pass over the batches that observes and records the stage's input, and records
-    the outputs of the pending submodules; replays named in last_use are emptied."""
+    the outputs of the pending submodules; replays named in last_use are emptied. Batches
+    may run side by side (BlockRun.map_batches): what each records is taken batch by batch
+    in order on this thread."""
     outputs: dict[str, list] = {name: [] for name in pending}
+    record = threading.local()  # the calling thread's batch: its stage input, pending outputs
 
     def take_input(_module, args):
-        recorded.append(run.keep(args[0]))
-        observer.update(args[0])
+        record.input = args[0]
         raise _StopForward
+
+    def one(index: int, args: tuple, kwargs: dict) -> tuple[Tensor | None, dict]:
+        batch.index, record.input, record.outputs = index, None, {}
+        run_until_stopped(run.block, *args, **kwargs)
+        return record.input, record.outputs
 
     with _replaying(run.block, replays, batch, last_use):
         handles = [first.register_forward_pre_hook(take_input)]
         handles += [
             run.block.get_submodule(name).register_forward_hook(
-                lambda _m, _a, out, name=name: outputs[name].append(_kept(out, run))
+                lambda _m, _a, out, name=name: record.outputs.setdefault(name, out)
             )
             for name in pending
         ]
         try:
-            for batch.index, (args, kwargs) in enumerate(run.inputs):
-                run_until_stopped(run.block, *args, **kwargs)
+            for x, outs in run.map_batches(one):
+                for name, out in outs.items():
+                    outputs[name].append(_kept(out, run))
+                if x is not None:
+                    recorded.append(run.keep(x))
+                    observer.update(x)
         finally:
             for handle in handles:
                 handle.remove()
