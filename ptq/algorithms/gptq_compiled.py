@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.algorithms.compiled import KINDS, has_dtypes, library
 from ptq.devices import cpu_parallel
 from ptq.primitives import MSE_COARSE, MSE_FINE
 from ptq.schemes import QuantArgs
@@ -38,7 +37,7 @@ def unavailable() -> str | None:
 
 def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) -> str:
     """'compiled' or 'torch': the loop a solve on `device` with these weights takes."""
-    if device.type != "cpu" or args.type != "int" or unavailable() or not has_dtypes(scale_dtype):
+    if device.type != "cpu" or args.type != "int" or unavailable() or not compiled.has_dtypes(scale_dtype):
         return "torch"
     return "compiled"
 
@@ -56,7 +55,7 @@ class BlockLoop:
     def __init__(self, Wt: Tensor, Hinv: Tensor, E: Tensor, Qt: Tensor, group: Tensor, first: Tensor,
                  members: Tensor, importance: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs,
                  scale_dtype: torch.dtype, observer: str, threads: int):
-        self._lib = library()[0]
+        self._lib = compiled.library()[0]
         mse = observer == "mse"
         candidates = torch.tensor(MSE_COARSE if mse else (1.0,), dtype=torch.float32)
         group, first, members = group.long().contiguous(), first.long().contiguous(), members.long().contiguous()
@@ -72,7 +71,7 @@ class BlockLoop:
             Wt.data_ptr(), rows, Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
-            KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
+            compiled.KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
             candidates.numel(), MSE_FINE if mse else 0.0,
         )
 

@@ -225,6 +225,7 @@ def quantize_block_sequentially(
             done.add(name)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
+
     def final(index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         batch.index = index
         return _with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs))))
