@@ -13,8 +13,9 @@ list of one-key mappings). `translate` maps the modifiers onto ptq's steps:
 
     SmoothQuantModifier   smoothquant: smoothing_strength -> alpha, mappings
     AWQModifier           awq: duo_scaling, n_grid, mappings; clip false (llm-compressor
-                          searches scales only). One that carries a scheme (the older form,
-                          which quantized too) also gives the rtn step.
+                          searches scales only), loss module (its objective). One that
+                          carries a scheme (the older form, which quantized too) also gives
+                          the rtn step.
     QuantizationModifier  rtn: scheme or config_groups, targets, ignore, observer
     GPTQModifier          gptq: block_size, dampening_frac -> damp, actorder; scales
                           'original' (llm-compressor fits them before GPTQ runs)
