@@ -37,7 +37,6 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
     import ptq
     from ptq import moe
     from ptq.checkpoint.writer import write_checkpoint
-    from ptq.evaluate import check_windows
     from ptq.export.card import CardFacts
     from ptq.pipeline import check_finite, select_linears
     from ptq.report import size_of
@@ -45,8 +44,7 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
     model, tokenizer = ptq.load_model(location, trust_remote_code=args.trust_remote_code)
     windows = kv_windows = None
     if eval_texts is not None:
-        windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
-        check_windows(model, windows)  # before the work, not after it
+        windows = checked_windows(model, tokenizer, eval_texts, args.eval_seq_len, args.eval_windows)
         if recipe.kv_cache is not None:
             kv_windows = kv_eval_windows(args, model, tokenizer, eval_texts)
     moe.unfuse_experts_(model)  # one Linear per expert, as ptq.quantize would: the sizes count them
@@ -127,9 +125,8 @@ def quantize_streamed_and_write(args, recipe, source: Path, device, eval_texts, 
     checkpoint. With evaluation, as quantize_and_write evaluates, the model never in memory:
     the original's logits streamed from the source folder first, the quantized model's from
     the weights just written (ptq.streaming.streamed_logits); the same numbers."""
-    import ptq
     from ptq.checkpoint.writer import write_checkpoint
-    from ptq.evaluate import check_windows, evaluate_logits
+    from ptq.evaluate import evaluate_logits
     from ptq.export.card import CardFacts
     from ptq.models import check_model_folder, load_tokenizer
     from ptq.pipeline import select_linears
@@ -144,8 +141,7 @@ def quantize_streamed_and_write(args, recipe, source: Path, device, eval_texts, 
     before = size_of(model, dtype, names)
     windows = reference = quality = None
     if eval_texts is not None:
-        windows = ptq.eval_windows(tokenizer, eval_texts, seq_len=args.eval_seq_len, max_windows=args.eval_windows)
-        check_windows(model, windows)  # before the work, not after it
+        windows = checked_windows(model, tokenizer, eval_texts, args.eval_seq_len, args.eval_windows)
         reference = streamed_reference_logits(source, windows, slot.work / "reference-logits",
                                               compute_dtype_for(device, dtype), device=device)
     staging = slot.new_staging()
@@ -187,16 +183,21 @@ def _reference_logits(model, windows, folder: Path, compute_dtype: torch.dtype):
                 param.data = param.data.to(dtypes[name])
 
 
-def kv_eval_windows(args, model, tokenizer, texts):
-    """Long windows for the KV cache rows (the cache's errors grow with the context)."""
+def checked_windows(model, tokenizer, texts, seq_len: int, max_windows: int | None):
+    """Evaluation windows of the texts, checked against the model before the work, not after it."""
     import ptq
     from ptq.evaluate import check_windows
 
-    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2048
-    seq_len = args.kv_eval_seq_len or min(2048, context)
-    windows = ptq.eval_windows(tokenizer, texts, seq_len=seq_len, max_windows=args.kv_eval_windows)
+    windows = ptq.eval_windows(tokenizer, texts, seq_len=seq_len, max_windows=max_windows)
     check_windows(model, windows)
     return windows
+
+
+def kv_eval_windows(args, model, tokenizer, texts):
+    """Long windows for the KV cache rows (the cache's errors grow with the context)."""
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2048
+    seq_len = args.kv_eval_seq_len or min(2048, context)
+    return checked_windows(model, tokenizer, texts, seq_len, args.kv_eval_windows)
 
 
 def evaluate_kv_rows(model, windows):

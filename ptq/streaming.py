@@ -356,5 +356,6 @@ def streamed_reference_logits(source: str | os.PathLike, windows: torch.Tensor, 
     shutil.rmtree(folder, ignore_errors=True)  # left by a run killed before it could remove them
     model = meta_model(Path(source))
     cast_parameters_(model, compute_dtype)
-    logits = streamed_logits(model, source, windows, device=device, whose="the reference model's")
+    logits = streamed_logits(model, source, windows, batch_size=EVAL_BATCH_SIZE, device=device,
+                             whose="the reference model's")  # the batches store_logits is told of
     return store_logits(logits, windows, folder, EVAL_BATCH_SIZE, getattr(model.config, "vocab_size", None))

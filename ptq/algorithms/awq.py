@@ -209,7 +209,7 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     out_features, in_features = W.shape
     gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32  # float16 G would overflow
     G = gram.to(device=W.device, dtype=gemm_dtype)  # [in, in]
-    W32 = W.detach().float().contiguous()  # [out, in]
+    W32 = W.float().contiguous()  # [out, in]
     compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
 
     def squared_errors(part: Tensor) -> list[float]:  # part [k, in]: k candidates
@@ -217,10 +217,11 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
             dW = torch.empty((len(part), *W.shape), dtype=gemm_dtype)  # [k, out, in]
             for s, d in zip(part, dW):
                 compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)
-            dWG = (dW.view(-1, in_features) @ G).view_as(dW)
-            return [compiled.dot(a, b) for a, b in zip(dWG, dW)]
-        dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(gemm_dtype)  # [k, out, in]
+        else:
+            dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(gemm_dtype)  # [k, out, in]
         dWG = (dW.view(-1, in_features) @ G).view_as(dW)
+        if compiled_grid:
+            return [compiled.dot(a, b) for a, b in zip(dWG, dW)]
         return dWG.float().mul_(dW.float()).flatten(1).sum(dim=1, dtype=torch.float64).tolist()
 
     @torch.no_grad()

@@ -151,3 +151,6 @@ DOT(dot_f32, float, F32_VALUE)
 double ptq_awq_dot(const void *a, const void *b, int64_t n, int32_t kind) {
     return kind == SCALE_BF16 ? dot_bf16(a, b, n) : dot_f32(a, b, n);
 }
+
+/* the arguments' version of this library's functions (PTQ_COMPILED_ABI) */
+int ptq_compiled_abi(void) { return PTQ_COMPILED_ABI; }

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ptq.schemes import QuantArgs
 
+ABI = 1  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -32,6 +33,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(spec.origin)
     except OSError as error:
         return None, f"ptq's compiled loops do not load: {error}"
+    if not hasattr(lib, "ptq_compiled_abi") or lib.ptq_compiled_abi() != ABI:
+        return None, f"ptq's compiled loops at {spec.origin} were built for another version: reinstall ptq"
     lib.ptq_gptq_block.restype = ctypes.c_int
     lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
         _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F,

@@ -119,3 +119,13 @@ def test_running_without_the_compiled_loops_is_named_in_the_report(monkeypatch):
     assert report.cpu["awq_grid"] == "torch"
     assert any("AWQ's candidate weights were computed in torch" in note and "no compiler here" in note
                for note in report.notes)
+
+
+def test_a_library_built_for_other_arguments_is_refused(monkeypatch):
+    compiled.library.cache_clear()
+    monkeypatch.setattr(compiled, "ABI", compiled.ABI + 1)
+    try:
+        lib, why = compiled.library()
+        assert lib is None and "built for another version: reinstall ptq" in why
+    finally:
+        compiled.library.cache_clear()  # the next call loads it afresh, with the right ABI
