@@ -102,3 +102,32 @@ def test_linears_run_once_per_batch():
 
     ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(1))
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
+
+
+def test_modules_fed_by_the_block_inputs_run_once_and_change_no_bit(monkeypatch):
+    # input_layernorm reads nothing but the block's input: its first pass's outputs are
+    # replayed in the four passes after it. post_attention_layernorm reads the residual sum,
+    # a new tensor in every pass: it runs in each of the three passes that reach it.
+    from ptq.calibration import sequential
+
+    def run(replay_fed: bool):
+        if not replay_fed:
+            monkeypatch.setattr(sequential._BlockInputFed, "replays", lambda self: {})
+        model = tiny_model("llama", dtype=torch.float32)
+        calls = {}
+        for name, module in model.named_modules():
+            if name.endswith("layernorm"):
+                key = name.rpartition(".")[2]
+                module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls.get(key, 0) + 1))
+        hessians, outputs = quantize_with(model, replay=True)
+        monkeypatch.undo()
+        return calls, hessians, outputs
+
+    calls, hessians, outputs = run(replay_fed=True)
+    calls_all, hessians_all, outputs_all = run(replay_fed=False)
+    layers, batches = len(outputs), 2
+    # per block: one probe pass of the first batch (execution_stages), then the passes
+    assert calls == {"input_layernorm": layers * (1 + batches), "post_attention_layernorm": layers * (1 + 3 * batches)}
+    assert calls_all["input_layernorm"] == layers * (1 + 5 * batches)
+    assert all(torch.equal(hessians[name], hessians_all[name]) for name in hessians_all)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_all))
