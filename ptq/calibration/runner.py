@@ -39,6 +39,7 @@ Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keywo
 BATCH_SIZE = 2  # calibration samples run through a block together
 MAX_BATCHES_IN_FLIGHT = 8  # on a CPU, batches run side by side at most (BlockRun.map_batches)
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class BlockWeights(Protocol):
@@ -273,20 +274,44 @@ class BlockRun:
         CPU a descheduled thread holds up only its own batch), and there no op splits a sum
         by the thread count. Results are taken a wave of batches at a time (one per thread
         in flight), which bounds what waits in memory."""
-        threads = torch.get_num_threads()
-        if threads <= 1 or len(self.inputs) <= 1 or next(self.block.parameters()).device.type != "cpu":
+        side_by_side = self._side_by_side(len(self.inputs))
+        if side_by_side is None:
             for i, (args, kwargs) in enumerate(self.inputs):
                 yield function(i, args, kwargs)
             return
+        in_flight, threads_each = side_by_side
 
         def task(i: int):
             with torch.no_grad():  # grad mode is per thread
                 return function(i, *self.inputs[i])
 
-        in_flight = min(threads, MAX_BATCHES_IN_FLIGHT)
         for start in range(0, len(self.inputs), in_flight):
             indices = range(start, min(start + in_flight, len(self.inputs)))
-            yield from cpu_parallel([functools.partial(task, i) for i in indices], in_flight, threads // in_flight)
+            yield from cpu_parallel([functools.partial(task, i) for i in indices], in_flight, threads_each)
+
+    def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
+        """[function(item) for item in items], side by side on a CPU as map_batches runs
+        batches (all results are kept, so no waves): e.g. a quantized Linear's outputs on
+        every recorded input, each a GEMM on one thread instead of one GEMM after another,
+        each on all threads and joined after every call."""
+        side_by_side = self._side_by_side(len(items))
+        if side_by_side is None:
+            return [function(item) for item in items]
+
+        def task(item: S) -> T:
+            with torch.no_grad():
+                return function(item)
+
+        return cpu_parallel([functools.partial(task, item) for item in items], *side_by_side)
+
+    def _side_by_side(self, count: int) -> tuple[int, int] | None:
+        """(tasks in flight, torch threads each) for `count` tasks of this block, or None
+        where they run in turn (one thread, one task, or not on a CPU)."""
+        threads = torch.get_num_threads()
+        if threads <= 1 or count <= 1 or next(self.block.parameters()).device.type != "cpu":
+            return None
+        in_flight = min(threads, MAX_BATCHES_IN_FLIGHT)
+        return in_flight, threads // in_flight
 
     @torch.no_grad()
     def first_input(self, module: nn.Module) -> Tensor:

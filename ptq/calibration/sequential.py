@@ -305,7 +305,7 @@ def quantize_block_sequentially(
         _coarsen(replays, pending, outputs, done, len(run.inputs))
         for name, module in quantize(stage, observer).items():
             with cached_weight(module):
-                replays[name] = [_kept(module(x.to(batch.device)), run) for x in recorded]
+                replays[name] = run.map_items(lambda x, module=module: _kept(module(x.to(batch.device)), run), recorded)
             done.add(name)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
