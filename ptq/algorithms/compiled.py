@@ -1,5 +1,6 @@
 """ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
-gptq_compiled) and AWQ's candidate grid (awq_grid.c, driven from here). One library, built
+gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here) and int32 packing
+(ptq/packing.c, driven from ptq.packing). One library, built
 at install when a C compiler is there (setup.py); without one ptq installs all the same,
 runs the torch references, and the report says so.
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from ptq.schemes import QuantArgs
 
-ABI = 1  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 2  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -44,6 +45,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P]
     lib.ptq_awq_dot.restype = ctypes.c_double
     lib.ptq_awq_dot.argtypes = [_P, _P, _I, _C]
+    lib.ptq_pack_int32.restype = None
+    lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
+    lib.ptq_unpack_int32.restype = None
+    lib.ptq_unpack_int32.argtypes = [_P, _I, _I, _C, _I, _P]
     return lib, None
 
 
@@ -94,3 +99,22 @@ def dot(a: Tensor, b: Tensor) -> float:
     assert a.shape == b.shape and a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16)
     assert a.is_contiguous() and b.is_contiguous()
     return library()[0].ptq_awq_dot(a.data_ptr(), b.data_ptr(), a.numel(), KINDS[a.dtype])
+
+
+def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:
+    """packing.pack_int32 of int8 values [rows, n] (rows of unit stride) on a CPU, into
+    int32 [rows, words]: the same words."""
+    assert values.dtype == torch.int8 and values.device.type == "cpu" and values.stride(1) == 1
+    rows, n = values.shape
+    out = torch.empty(rows, words, dtype=torch.int32)
+    library()[0].ptq_pack_int32(values.data_ptr(), rows, n, values.stride(0), bits, out.data_ptr(), words)
+    return out
+
+
+def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
+    """packing.unpack_int32 of int32 words [rows, words] on a CPU: int8 [rows, n]."""
+    assert packed.dtype == torch.int32 and packed.device.type == "cpu"
+    packed = packed.contiguous()
+    out = torch.empty(packed.shape[0], n, dtype=torch.int8)
+    library()[0].ptq_unpack_int32(packed.data_ptr(), packed.shape[0], packed.shape[1], bits, n, out.data_ptr())
+    return out

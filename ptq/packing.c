@@ -1,0 +1,75 @@
+/* Dense int32 packing of signed integers, compiled: the torch reference is ptq/packing.py
+   (pack_int32, unpack_int32), whose layout this file writes bit for bit.
+
+   Each value of `bits` bits is offset by 2^(bits-1) and written into one little-endian bit
+   stream per row: element j occupies bits [j*bits, (j+1)*bits), spilling into the next
+   word when it straddles a boundary. A row of n values takes ceil(n * bits / 32) words;
+   bits past the row's last value are 0. Integer arithmetic only: the same on every CPU. */
+
+#include "algorithms/quant_math.h"
+
+/* values [rows, n] int8 (row stride vstride) into words [rows, nwords] (nwords =
+   ceil(n * bits / 32), contiguous); each value in -2^(bits-1) .. 2^(bits-1) - 1 */
+VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, int64_t vstride, int32_t bits,
+                               int32_t *words, int64_t nwords) {
+    const uint32_t offset = 1u << (bits - 1);
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *v = values + r * vstride;
+        uint32_t *w = (uint32_t *)words + r * nwords;
+        if (32 % bits == 0) { /* whole values per word: no straddling */
+            const int64_t per = 32 / bits;
+            for (int64_t k = 0; k < nwords; k++) {
+                uint32_t word = 0;
+                const int64_t j0 = k * per, j1 = j0 + per < n ? j0 + per : n;
+                for (int64_t j = j0; j < j1; j++)
+                    word |= (uint32_t)((int32_t)v[j] + (int32_t)offset) << ((j - j0) * bits);
+                w[k] = word;
+            }
+            continue;
+        }
+        for (int64_t k = 0; k < nwords; k++)
+            w[k] = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const uint64_t u = (uint64_t)(uint32_t)((int32_t)v[j] + (int32_t)offset);
+            const int64_t bit = j * bits, k = bit / 32, shift = bit % 32;
+            const uint64_t field = u << shift; /* at most 39 bits */
+            w[k] |= (uint32_t)field;
+            if (shift + bits > 32)
+                w[k + 1] |= (uint32_t)(field >> 32);
+        }
+    }
+}
+
+/* words [rows, nwords] (contiguous) into values [rows, n] int8 (contiguous) */
+VECTORIZED void ptq_unpack_int32(const int32_t *words, int64_t rows, int64_t nwords, int32_t bits, int64_t n,
+                                 int8_t *values) {
+    const int32_t offset = 1 << (bits - 1);
+    const uint32_t mask = (1u << bits) - 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *w = (const uint32_t *)words + r * nwords;
+        int8_t *v = values + r * n;
+        if (bits == 4 && n % 8 == 0) { /* the common case, with a fixed count the compiler vectorizes */
+            for (int64_t k = 0; k < nwords; k++)
+                for (int64_t i = 0; i < 8; i++)
+                    v[k * 8 + i] = (int8_t)((int32_t)((w[k] >> (4 * i)) & 15u) - 8);
+            continue;
+        }
+        if (32 % bits == 0) {
+            const int64_t per = 32 / bits;
+            for (int64_t k = 0; k < nwords; k++) {
+                const uint32_t word = w[k];
+                const int64_t j0 = k * per, j1 = j0 + per < n ? j0 + per : n;
+                for (int64_t j = j0; j < j1; j++)
+                    v[j] = (int8_t)((int32_t)((word >> ((j - j0) * bits)) & mask) - offset);
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t bit = j * bits, k = bit / 32, shift = bit % 32;
+            uint64_t stream = w[k];
+            if (k + 1 < nwords)
+                stream |= (uint64_t)w[k + 1] << 32;
+            v[j] = (int8_t)((int32_t)((stream >> shift) & mask) - offset);
+        }
+    }
+}
