@@ -16,9 +16,9 @@ inputs produced by the already-quantized stages before it:
   time and lets go of each batch's outputs as it goes, so its recorded input (down's)
   takes their place instead of adding to them; the final pass, which gives the block's
   outputs (the next block's inputs), then runs only the glue;
-- on a CPU, submodules fed by nothing but the block's own inputs (Llama's input_layernorm)
-  give the same outputs in every pass: the first pass keeps them and later passes replay
-  them (_BlockInputFed).
+- on a CPU, the block's children without Linears (its norms) called again on the same
+  inputs as in an earlier pass (input_layernorm on the block's input; post_attention_layernorm
+  once the attention is replayed) return their earlier output (_Memo).
 
 The cost per block is about one forward pass of its Linears and a few passes of the glue
 between them (attention core, norms), instead of two or more full passes.
@@ -26,6 +26,7 @@ between them (attention core, norms), instead of two or more full passes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -99,80 +100,103 @@ def _map_tensors(fn, value):
     return value
 
 
-PLAIN = (type(None), bool, int, float, str)  # arguments that cannot carry another pass's values
+PLAIN = (type(None), bool, int, float, str)  # arguments compared by value; others make no memo
 
 
-def _tensor_ids(value, ids: set[int]) -> bool:
-    """Whether every tensor in value (an argument: a tensor, tuple, list or dict of them)
-    is one of `ids` and everything else is PLAIN."""
+def _tensors(value) -> list[Tensor]:
+    """The tensors in value, through tuples, lists and dicts, in order."""
     if isinstance(value, Tensor):
-        return id(value) in ids
+        return [value]
     if isinstance(value, (tuple, list)):
-        return all(_tensor_ids(v, ids) for v in value)
+        return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
-        return all(_tensor_ids(v, ids) for v in value.values())
-    return isinstance(value, PLAIN)
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
-def _collect_ids(value, ids: set[int]) -> set[int]:
-    if isinstance(value, Tensor):
-        ids.add(id(value))
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _collect_ids(v, ids)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_ids(v, ids)
-    return ids
+def _versions(value) -> list[int]:
+    """The version counters of value's tensors: an in-place change to one raises its count."""
+    return [t._version for t in _tensors(value)]
 
 
-class _BlockInputFed:
-    """The submodules with no target Linear inside that, in a pass, are called once per
-    batch with nothing but the block's own input tensors (the very objects the block was
-    called with) and plain values: Llama's input_layernorm. Every pass of the block gives
-    them the same inputs, so their outputs in the first pass are kept (copies: something
-    downstream may change them in place) and replayed in the passes after it. On Llama-like
-    blocks this saves 4 of the 8 RMSNorms per layer and batch (RMSNorm's float32 round
-    trips cost about half a millisecond per 512 tokens of SmolLM2's width here)."""
+def _plain(value) -> bool:
+    """Whether value holds nothing but tensors and PLAIN values (through tuples, lists, dicts)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    return isinstance(value, (Tensor, *PLAIN))
 
-    def __init__(self, block: nn.Module, linears: dict[str, nn.Linear]):
-        def has_linear(name: str) -> bool:  # the block ("") has them all
-            return not name or any(n == name or n.startswith(name + ".") for n in linears)
 
-        self.candidates = {  # the largest submodules without a target Linear
-            name: module for name, module in block.named_modules()
-            if not has_linear(name) and has_linear(name.rpartition(".")[0])
-        }
-        self.outputs: dict[str, list] = {name: [] for name in self.candidates}
-        self.record = threading.local()
+def _bits(t: Tensor) -> Tensor:
+    """t's bytes as one flat integer tensor (int64 words where they divide evenly: comparing
+    them is 6 times faster than torch.equal on the bf16 values)."""
+    flat = t.contiguous().view(-1).view(torch.uint8)
+    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
 
-    def start(self, args: tuple, kwargs: dict) -> None:
-        """A batch's pass begins on this thread, calling the block with args and kwargs."""
-        self.record.ids = _collect_ids(kwargs, _collect_ids(args, set()))
-        self.record.outputs = {}
 
-    def taken(self) -> dict[str, object]:
-        """The outputs this thread's batch gave its candidates (None: not fed by block inputs)."""
-        return self.record.outputs
+def _same(a, b) -> bool:
+    """Whether a and b (arguments) hold the same values: tensors of one dtype, shape and
+    device with the same bits, the same structure and equal plain values."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            return False
+        return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+                          and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, (tuple, list, dict)) or isinstance(b, (tuple, list, dict)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
-    def hooks(self) -> list:
-        def hook(name: str):
-            def take(_module, args, kwargs, output):
-                seen = self.record.outputs
-                fed = name not in seen and _tensor_ids(args, self.record.ids) and _tensor_ids(kwargs, self.record.ids)
-                seen[name] = _map_tensors(Tensor.clone, output) if fed else None
-            return take
 
-        return [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in self.candidates.items()]
+class _Memo(nn.Module):
+    """Stands in for one of the block's children that has no target Linear inside (its
+    norms) through the engine's passes: called on a batch with the same inputs as its last
+    call on that batch, it returns that call's output instead of computing it again.
 
-    def add(self, taken: dict[str, object], run: BlockRun) -> None:
-        """One batch's outputs, batches in order."""
-        for name, outputs in self.outputs.items():
-            outputs.append(None if taken.get(name) is None else _kept(taken[name], run))
+    Every pass computes input_layernorm from the block's own input, and from the stage of
+    gate/up on post_attention_layernorm from the same residual sum (the attention is
+    replayed): on Llama-like blocks 2 of the 8 RMSNorms per layer and batch are computed
+    instead of 8 (RMSNorm's float32 round trips cost about a third of a millisecond per 512
+    tokens of SmolLM2's width here). The last call's inputs and output are kept as they are,
+    with their version counters: one changed in place since (a count raised) is not the
+    same any more, so the call is computed again. Inputs are compared bit for bit; calls
+    with other than tensors and plain values are always computed."""
 
-    def replays(self) -> dict[str, list]:
-        """Outputs by submodule, for those fed by the block's inputs in every batch."""
-        return {name: outputs for name, outputs in self.outputs.items() if all(o is not None for o in outputs)}
+    def __init__(self, module: nn.Module, batch: _Batch, batches: int):
+        super().__init__()
+        self.inner = module
+        self.batch = batch
+        self.calls: list[tuple | None] = [None] * batches  # per batch: inputs, output, their versions
+
+    def forward(self, *args, **kwargs):
+        i = self.batch.index
+        last = self.calls[i]
+        if last is not None:
+            inputs, output, versions = last
+            if _versions((inputs, output)) == versions and _same((args, kwargs), inputs):
+                return output
+        output = self.inner(*args, **kwargs)
+        kept = _plain((args, kwargs)) and _plain(output)
+        self.calls[i] = ((args, kwargs), output, _versions(((args, kwargs), output))) if kept else None
+        return output
+
+
+@contextmanager
+def _memoized(block: nn.Module, linears: dict[str, nn.Linear], batch: _Batch, batches: int) -> Iterator[None]:
+    """The block's children without a target Linear stand in as _Memo while the block runs."""
+    names = [name for name, _ in block.named_children() if not any(n.startswith(name + ".") or n == name for n in linears)]
+    originals = {name: block.get_submodule(name) for name in names}
+    for name, module in originals.items():
+        block.set_submodule(name, _Memo(module, batch, batches))
+    try:
+        yield
+    finally:
+        for name, module in originals.items():
+            block.set_submodule(name, module)
 
 
 @dataclass(frozen=True)
@@ -282,12 +306,24 @@ def quantize_block_sequentially(
     """Quantize the stages in order (quantize(stage, observer) quantizes the stage's
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
-    stages = order.stages
     batch = _Batch(device=next(run.block.parameters()).device)
+    # on an accelerator the glue is cheap and memory dear: nothing extra is kept there
+    memo = batch.device.type == "cpu" and len(order.stages) > 1
+    with _memoized(run.block, linears, batch, len(run.inputs)) if memo else contextlib.nullcontext():
+        return _quantize_stages(run, order, linears, make_observer, quantize, batch)
+
+
+def _quantize_stages(
+    run: BlockRun,
+    order: Stages,
+    linears: dict[str, nn.Linear],
+    make_observer: Callable[[], Observer],
+    quantize: Callable[[list[str], Observer], dict[str, nn.Module]],
+    batch: _Batch,
+) -> Inputs:
+    stages = order.stages
     replays: dict[str, list] = {}
     done: set[str] = set()
-    # on an accelerator the glue is cheap and memory dear: nothing extra is kept there
-    fed = _BlockInputFed(run.block, linears) if batch.device.type == "cpu" and len(stages) > 1 else None
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         observer = make_observer()
@@ -296,10 +332,7 @@ def quantize_block_sequentially(
         # Memory: in the last stage's pass, the outputs of single Linears still replayed
         # (gate/up) are needed for the last time; each batch's go as its input is recorded
         last_use = frozenset(name for name in replays if name in linears) if last else frozenset()
-        outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded, last_use,
-                              fed if i == 0 else None)
-        if i == 0 and fed is not None:
-            replays.update(fed.replays())
+        outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded, last_use)
         for name in last_use:
             del replays[name]
         _coarsen(replays, pending, outputs, done, len(run.inputs))
@@ -329,13 +362,11 @@ def _replay_returning_modules(
             _replay_whole(replays, done, name, outputs)
 
 
-def _stage_pass(
-    run, first: nn.Module, replays, pending, batch, observer, recorded, last_use, fed: _BlockInputFed | None = None
-) -> dict[str, list]:
+def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, recorded, last_use) -> dict[str, list]:
     """One pass over the batches that observes and records the stage's input, and records
-    the outputs of the pending submodules (and fed's candidates); replays named in last_use
-    are emptied. Batches may run side by side (BlockRun.map_batches): what each records is
-    taken batch by batch in order on this thread."""
+    the outputs of the pending submodules; replays named in last_use are emptied. Batches
+    may run side by side (BlockRun.map_batches): what each records is taken batch by batch
+    in order on this thread."""
     outputs: dict[str, list] = {name: [] for name in pending}
     record = threading.local()  # the calling thread's batch: its stage input, pending outputs
 
@@ -343,12 +374,10 @@ def _stage_pass(
         record.input = args[0]
         raise _StopForward
 
-    def one(index: int, args: tuple, kwargs: dict) -> tuple[Tensor | None, dict, dict]:
+    def one(index: int, args: tuple, kwargs: dict) -> tuple[Tensor | None, dict]:
         batch.index, record.input, record.outputs = index, None, {}
-        if fed is not None:
-            fed.start(args, kwargs)
         run_until_stopped(run.block, *args, **kwargs)
-        return record.input, record.outputs, fed.taken() if fed is not None else {}
+        return record.input, record.outputs
 
     with _replaying(run.block, replays, batch, last_use):
         handles = [first.register_forward_pre_hook(take_input)]
@@ -358,11 +387,8 @@ def _stage_pass(
             )
             for name in pending
         ]
-        handles += fed.hooks() if fed is not None else []
         try:
-            for x, outs, taken in run.map_batches(one):
-                if fed is not None:
-                    fed.add(taken, run)
+            for x, outs in run.map_batches(one):
                 for name, out in outs.items():
                     outputs[name].append(_kept(out, run))
                 if x is not None:
