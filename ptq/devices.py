@@ -15,13 +15,16 @@ never timed (a timing flips on a busy machine, and with it every result):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
+R = TypeVar("R")
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names
 
 
@@ -169,3 +172,34 @@ def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1)
         if threads <= 1 or len(tasks) <= 1:
             return [task() for task in tasks]
         return list(_pool(threads).map(functools.partial(_on_threads, threads_per_task), tasks))
+
+
+MAX_IN_FLIGHT = 8  # on a CPU, forward passes run side by side at most (side_by_side)
+
+
+def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | None:
+    """How `count` independent forward passes on `device` share the CPU: (passes in flight,
+    torch threads each), or None where they run in turn (one thread, one pass, or not on a
+    CPU). Up to MAX_IN_FLIGHT run at once, each on its own thread with an equal share of
+    torch's threads (one each on up to 8 cores): no op then waits for a partner thread at a
+    barrier (on a busy CPU a descheduled thread holds up only its own pass), and there no
+    op splits a sum by the thread count."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or count <= 1 or torch.device(device).type != "cpu":
+        return None
+    in_flight = min(threads, MAX_IN_FLIGHT)
+    return in_flight, threads // in_flight
+
+
+def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str) -> list[R]:
+    """[function(item) for item in items], side by side on a CPU (side_by_side), each
+    call under torch.no_grad (grad mode is per thread); all results kept."""
+    shared = side_by_side(len(items), device)
+    if shared is None:
+        return [function(item) for item in items]
+
+    def task(item: T) -> R:
+        with torch.no_grad():
+            return function(item)
+
+    return cpu_parallel([functools.partial(task, item) for item in items], *shared)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from ptq.algorithms import compiled
 from ptq.algorithms.smoothquant import apply_smoothing_, replace_
-from ptq.devices import cpu_parallel
+from ptq.devices import cpu_parallel, map_side_by_side
 from ptq.errors import PtqError
 from ptq.primitives import fake_quantize, num_groups
 from ptq.schemes import QuantArgs
@@ -252,13 +252,21 @@ def make_module_loss(
     output counts by its first element. The weights are swapped only during a call and
     restored (the very same tensors) even if the forward raises. Q rounds its scales to
     scale_dtype, as the checkpoint will; each row's error is summed in float32, the rows in
-    float64.
+    float64, the batches in order. On a CPU a candidate's batches run side by side
+    (devices.map_side_by_side), each forward on its own thread.
     """
     if reference_outputs is None:
         reference_outputs = _run(module, inputs)
     reference = list(reference_outputs)
     count = sum(ref.numel() for ref in reference)
     elements = sum(linear.weight.numel() for linear in balance)
+    batches = list(zip(inputs, reference))
+    device = balance[0].weight.device
+
+    def error_of(batch: tuple) -> float:  # one batch's Σ (out − ref)², the batches run side by side
+        (args, kwargs), ref = batch
+        out = module(*args, **kwargs)
+        return _squared_error([ref], [out[0] if isinstance(out, tuple) else out])
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
@@ -270,23 +278,23 @@ def make_module_loss(
                 for c in range(len(part)):
                     for linear, Wc in zip(balance, candidates):
                         linear.weight.data = Wc[c]  # [out, in]
-                    sums.append(_squared_error(reference, _run(module, inputs)))
+                    sums.append(sum(map_side_by_side(error_of, batches, device)))
         finally:
             for linear, W in zip(balance, originals):
                 linear.weight.data = W
-        device = scales.device if not reference else reference[0].device
-        return torch.tensor(sums + [float(count)], dtype=torch.float64, device=device).float()
+        on = scales.device if not reference else reference[0].device
+        return torch.tensor(sums + [float(count)], dtype=torch.float64, device=on).float()
 
     return loss
 
 
 @torch.no_grad()
 def _run(module: nn.Module, inputs: Inputs) -> list[Tensor]:
-    outputs = []
-    for args, kwargs in inputs:
-        out = module(*args, **kwargs)
-        outputs.append(out[0] if isinstance(out, tuple) else out)
-    return outputs
+    def one(batch: tuple) -> Tensor:
+        out = module(*batch[0], **batch[1])
+        return out[0] if isinstance(out, tuple) else out
+
+    return map_side_by_side(one, list(inputs), next(module.parameters()).device)
 
 
 def _squared_error(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:

@@ -32,12 +32,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ptq.calibration.observers import Observer
-from ptq.devices import cpu_parallel
+from ptq.devices import cpu_parallel, map_side_by_side, side_by_side
 from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
 BATCH_SIZE = 2  # calibration samples run through a block together
-MAX_BATCHES_IN_FLIGHT = 8  # on a CPU, batches run side by side at most (BlockRun.map_batches)
 T = TypeVar("T")
 S = TypeVar("S")
 
@@ -268,18 +267,15 @@ class BlockRun:
     def map_batches(self, function: Callable[[int, tuple, dict], T]) -> Iterator[T]:
         """function(index, args, kwargs) of every batch, in order.
 
-        On a CPU up to MAX_BATCHES_IN_FLIGHT batches run side by side, each on its own
-        thread with an equal share of torch's threads (one each on up to 8 cores:
-        devices.cpu_parallel). No op then waits for a partner thread at a barrier (on a busy
-        CPU a descheduled thread holds up only its own batch), and there no op splits a sum
-        by the thread count. Results are taken a wave of batches at a time (one per thread
-        in flight), which bounds what waits in memory."""
-        side_by_side = self._side_by_side(len(self.inputs))
-        if side_by_side is None:
+        On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
+        own thread with an equal share of torch's threads). Results are taken a wave of
+        batches at a time (one per thread in flight), which bounds what waits in memory."""
+        shared = side_by_side(len(self.inputs), _device_of(self.block))
+        if shared is None:
             for i, (args, kwargs) in enumerate(self.inputs):
                 yield function(i, args, kwargs)
             return
-        in_flight, threads_each = side_by_side
+        in_flight, threads_each = shared
 
         def task(i: int):
             with torch.no_grad():  # grad mode is per thread
@@ -294,24 +290,7 @@ class BlockRun:
         batches (all results are kept, so no waves): e.g. a quantized Linear's outputs on
         every recorded input, each a GEMM on one thread instead of one GEMM after another,
         each on all threads and joined after every call."""
-        side_by_side = self._side_by_side(len(items))
-        if side_by_side is None:
-            return [function(item) for item in items]
-
-        def task(item: S) -> T:
-            with torch.no_grad():
-                return function(item)
-
-        return cpu_parallel([functools.partial(task, item) for item in items], *side_by_side)
-
-    def _side_by_side(self, count: int) -> tuple[int, int] | None:
-        """(tasks in flight, torch threads each) for `count` tasks of this block, or None
-        where they run in turn (one thread, one task, or not on a CPU)."""
-        threads = torch.get_num_threads()
-        if threads <= 1 or count <= 1 or next(self.block.parameters()).device.type != "cpu":
-            return None
-        in_flight = min(threads, MAX_BATCHES_IN_FLIGHT)
-        return in_flight, threads // in_flight
+        return map_side_by_side(function, items, _device_of(self.block))
 
     @torch.no_grad()
     def first_input(self, module: nn.Module) -> Tensor:
@@ -337,6 +316,10 @@ class BlockRun:
         with cached_weight(self.block):
             return list(self.map_batches(
                 lambda _i, args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))))
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    return next(block.parameters()).device
 
 
 def _raise_stop(_module, _args):
