@@ -153,9 +153,9 @@ def _same(a, b) -> bool:
 
 
 class _Memo(nn.Module):
-    """Stands in for one of the block's children that has no target Linear inside (its
-    norms) through the engine's passes: called on a batch with the same inputs as its last
-    call on that batch, it returns that call's output instead of computing it again.
+    """Stands in for one of the block's norms (see _memoized) through the engine's passes:
+    called on a batch with the same inputs as its last call on that batch, it returns that
+    call's output instead of computing it again.
 
     Every pass computes input_layernorm from the block's own input, and from the stage of
     gate/up on post_attention_layernorm from the same residual sum (the attention is
@@ -187,8 +187,14 @@ class _Memo(nn.Module):
 
 @contextmanager
 def _memoized(block: nn.Module, linears: dict[str, nn.Linear], batch: _Batch, batches: int) -> Iterator[None]:
-    """The block's children without a target Linear stand in as _Memo while the block runs."""
-    names = [name for name, _ in block.named_children() if not any(n.startswith(name + ".") or n == name for n in linears)]
+    """The block's children with parameters but no target Linear (norms, not activation
+    functions: those cost little to recompute and their inputs are wide) stand in as _Memo
+    while the block runs. Memory: what they keep, on Llama-like blocks three hidden-sized
+    tensors per batch (input_layernorm's input is the block's own)."""
+    names = [
+        name for name, child in block.named_children()
+        if not any(n.startswith(name + ".") or n == name for n in linears) and any(True for _ in child.parameters())
+    ]
     originals = {name: block.get_submodule(name) for name in names}
     for name, module in originals.items():
         block.set_submodule(name, _Memo(module, batch, batches))
