@@ -313,20 +313,16 @@ def quantize_block_sequentially(
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
     batch = _Batch(device=next(run.block.parameters()).device)
-    # on an accelerator the glue is cheap and memory dear: nothing extra is kept there
-    memo = batch.device.type == "cpu" and len(order.stages) > 1
-    with _memoized(run.block, linears, batch, len(run.inputs)) if memo else contextlib.nullcontext():
+    memo = contextlib.ExitStack()
+    if batch.device.type == "cpu" and len(order.stages) > 1:  # on an accelerator the glue is cheap and memory dear
+        memo.enter_context(_memoized(run.block, linears, batch, len(run.inputs)))
+    with memo:
         return _quantize_stages(run, order, linears, make_observer, quantize, batch)
 
 
-def _quantize_stages(
-    run: BlockRun,
-    order: Stages,
-    linears: dict[str, nn.Linear],
-    make_observer: Callable[[], Observer],
-    quantize: Callable[[list[str], Observer], dict[str, nn.Module]],
-    batch: _Batch,
-) -> Inputs:
+def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear], make_observer, quantize,
+                     batch: _Batch) -> Inputs:
+    """quantize_block_sequentially's stages and final pass (its arguments, and the batch index)."""
     stages = order.stages
     replays: dict[str, list] = {}
     done: set[str] = set()
