@@ -16,9 +16,8 @@ inputs produced by the already-quantized stages before it:
   time and lets go of each batch's outputs as it goes, so its recorded input (down's)
   takes their place instead of adding to them; the final pass, which gives the block's
   outputs (the next block's inputs), then runs only the glue;
-- on a CPU, the block's children without Linears (its norms) called again on the same
-  inputs as in an earlier pass (input_layernorm on the block's input; post_attention_layernorm
-  once the attention is replayed) return their earlier output (_Memo).
+- on a CPU, the block's norms that read nothing but the block's own input (Llama's
+  input_layernorm) are computed in the first pass only (_Memo).
 
 The cost per block is about one forward pass of its Linears and a few passes of the glue
 between them (attention core, norms), instead of two or more full passes.
@@ -55,6 +54,16 @@ class _Batch:
     @index.setter
     def index(self, value: int) -> None:
         self._local.index = value
+
+    def begin(self, index: int, args: tuple, kwargs: dict) -> None:
+        """This thread's pass runs batch `index`, calling the block with args and kwargs."""
+        self._local.index = index
+        self._local.inputs = {id(t) for t in _tensors((args, kwargs))}
+
+    def from_block_inputs(self, value) -> bool:
+        """Whether value's tensors are all among the block call's own (the very objects)."""
+        inputs = getattr(self._local, "inputs", set())
+        return all(id(t) in inputs for t in _tensors(value))
 
 
 class _Replay(nn.Module):
@@ -128,43 +137,20 @@ def _plain(value) -> bool:
     return isinstance(value, (Tensor, *PLAIN))
 
 
-def _bits(t: Tensor) -> Tensor:
-    """t's bytes as one flat integer tensor (int64 words where they divide evenly: comparing
-    them is 6 times faster than torch.equal on the bf16 values)."""
-    flat = t.contiguous().view(-1).view(torch.uint8)
-    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
-
-
-def _same(a, b) -> bool:
-    """Whether a and b (arguments) hold the same values: tensors of one dtype, shape and
-    device with the same bits, the same structure and equal plain values."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
-            return False
-        return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
-                          and torch.equal(_bits(a), _bits(b)))
-    if isinstance(a, (tuple, list, dict)) or isinstance(b, (tuple, list, dict)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return False
-        if isinstance(a, dict):
-            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-        return all(_same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
 class _Memo(nn.Module):
     """Stands in for one of the block's norms (see _memoized) through the engine's passes:
-    called on a batch with the same inputs as its last call on that batch, it returns that
-    call's output instead of computing it again.
+    called on a batch with nothing but the block's own input tensors (the very objects the
+    block was called with) and plain values, it keeps its output, and returns it when a
+    later pass calls it again with the same objects and values, none changed in place since
+    (tensor version counters). Every pass computes Llama's input_layernorm from the block's
+    input: it is computed once per batch instead of five times (RMSNorm's float32 round
+    trips cost about a third of a millisecond per 512 tokens of SmolLM2's width here).
 
-    Every pass computes input_layernorm from the block's own input, and from the stage of
-    gate/up on post_attention_layernorm from the same residual sum (the attention is
-    replayed): on Llama-like blocks 2 of the 8 RMSNorms per layer and batch are computed
-    instead of 8 (RMSNorm's float32 round trips cost about a third of a millisecond per 512
-    tokens of SmolLM2's width here). The last call's inputs and output are kept as they are,
-    with their version counters: one changed in place since (a count raised) is not the
-    same any more, so the call is computed again. Inputs are compared bit for bit; calls
-    with other than tensors and plain values are always computed."""
+    Nothing is copied, and only outputs that would otherwise be recomputed are kept (about
+    one hidden-sized tensor per batch while the block runs; the first stage keeps the same
+    tensor as its recorded input). Norms of other tensors (post_attention_layernorm, on a
+    residual sum made anew in every pass) are always computed: keeping their inputs to
+    compare would cost two more hidden-sized tensors per batch."""
 
     def __init__(self, module: nn.Module, batch: _Batch, batches: int):
         super().__init__()
@@ -177,20 +163,32 @@ class _Memo(nn.Module):
         last = self.calls[i]
         if last is not None:
             inputs, output, versions = last
-            if _versions((inputs, output)) == versions and _same((args, kwargs), inputs):
+            if _identical((args, kwargs), inputs) and _versions((inputs, output)) == versions:
                 return output
         output = self.inner(*args, **kwargs)
-        kept = _plain((args, kwargs)) and _plain(output)
+        kept = _plain((args, kwargs)) and _plain(output) and self.batch.from_block_inputs((args, kwargs))
         self.calls[i] = ((args, kwargs), output, _versions(((args, kwargs), output))) if kept else None
         return output
+
+
+def _identical(a, b) -> bool:
+    """Whether arguments a and b hold the very same tensors and equal plain values."""
+    if isinstance(a, (tuple, list, dict)) or isinstance(b, (tuple, list, dict)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+        return all(_identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
 
 
 @contextmanager
 def _memoized(block: nn.Module, linears: dict[str, nn.Linear], batch: _Batch, batches: int) -> Iterator[None]:
     """The block's children with parameters but no target Linear (norms, not activation
     functions: those cost little to recompute and their inputs are wide) stand in as _Memo
-    while the block runs. Memory: what they keep, on Llama-like blocks three hidden-sized
-    tensors per batch (input_layernorm's input is the block's own)."""
+    while the block runs."""
     names = [
         name for name, child in block.named_children()
         if not any(n.startswith(name + ".") or n == name for n in linears) and any(True for _ in child.parameters())
@@ -346,7 +344,7 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
         _replay_returning_modules(replays, order.returns, linears, done)
 
     def final(index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        batch.index = index
+        batch.begin(index, args, kwargs)
         return _with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs))))
 
     with _replaying(run.block, replays, batch), cached_weight(run.block):
@@ -377,7 +375,8 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
         raise _StopForward
 
     def one(index: int, args: tuple, kwargs: dict) -> tuple[Tensor | None, dict]:
-        batch.index, record.input, record.outputs = index, None, {}
+        batch.begin(index, args, kwargs)
+        record.input, record.outputs = None, {}
         run_until_stopped(run.block, *args, **kwargs)
         return record.input, record.outputs
 

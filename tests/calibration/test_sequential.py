@@ -104,16 +104,15 @@ def test_linears_run_once_per_batch():
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
 
 
-def test_norms_called_again_on_the_same_inputs_are_not_recomputed(monkeypatch):
+def test_norms_of_the_block_input_are_computed_once_per_batch(monkeypatch):
     # input_layernorm reads the block's input: computed in the first of the five passes,
-    # replayed after. post_attention_layernorm reads the residual sum: computed in the pass
-    # of gate/up, the first to reach it, replayed in the down and final passes (the
-    # attention is replayed there, so the sum is the same). Nothing changes by a bit.
+    # returned again after. post_attention_layernorm reads a residual sum made anew in each
+    # pass: computed in each of the three passes that reach it. Nothing changes by a bit.
     from ptq.calibration import sequential
 
     def run(memo: bool):
         if not memo:
-            monkeypatch.setattr(sequential, "_same", lambda *_: False)
+            monkeypatch.setattr(sequential, "_identical", lambda *_: False)
         model = tiny_model("llama", dtype=torch.float32)
         calls = {}
         for name, module in model.named_modules():
@@ -128,13 +127,13 @@ def test_norms_called_again_on_the_same_inputs_are_not_recomputed(monkeypatch):
     calls_all, hessians_all, outputs_all = run(memo=False)
     layers, batches = len(outputs), 2
     # per block: one probe pass of the first batch (execution_stages), then the passes
-    assert calls == {"input_layernorm": layers * (1 + batches), "post_attention_layernorm": layers * (1 + batches)}
+    assert calls == {"input_layernorm": layers * (1 + batches), "post_attention_layernorm": layers * (1 + 3 * batches)}
     assert calls_all == {"input_layernorm": layers * (1 + 5 * batches), "post_attention_layernorm": layers * (1 + 3 * batches)}
     assert all(torch.equal(hessians[name], hessians_all[name]) for name in hessians_all)
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_all))
 
 
-def test_memo_returns_the_last_output_only_for_the_same_untouched_inputs():
+def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs():
     from ptq.calibration import sequential
 
     class Counting(nn.Module):
@@ -149,24 +148,25 @@ def test_memo_returns_the_last_output_only_for_the_same_untouched_inputs():
     inner = Counting()
     batch = sequential._Batch(torch.device("cpu"))
     memo = sequential._Memo(inner, batch, batches=2)
-    batch.index = 0
-    x = torch.arange(6.0)
+    x, y = torch.arange(6.0), torch.arange(6.0)
+    batch.begin(0, (x,), {})
     first = memo(x)
-    assert memo(x) is first and memo(x.clone()) is first and inner.calls == 1  # same bits: not recomputed
-    assert memo(x, scale=2.0) is not first and inner.calls == 2  # another plain argument
-    batch.index = 1
+    assert memo(x) is first and inner.calls == 1  # the block's own input again: not recomputed
+    assert memo(x.clone()) is not first and inner.calls == 2  # equal values, another tensor
+    memo(y)
+    memo(y)
+    assert inner.calls == 4  # y is not the block's input: never kept
+    assert memo(x, scale=2.0) is not first and inner.calls == 5  # another plain argument
+    batch.begin(1, (x,), {})
     memo(x)
-    assert inner.calls == 3  # each batch has its own last call
-    batch.index = 0
+    assert inner.calls == 6  # each batch has its own last call
+    batch.begin(0, (x,), {})
     again = memo(x, scale=2.0)
-    assert inner.calls == 3
+    assert inner.calls == 6
     again.add_(1)  # the kept output changed in place: computed again
-    assert torch.equal(memo(x, scale=2.0), x * 2) and inner.calls == 4
+    assert torch.equal(memo(x, scale=2.0), x * 2) and inner.calls == 7
     x.add_(1)  # the kept input changed in place: computed again
-    assert torch.equal(memo(x, scale=2.0), x * 2) and inner.calls == 5
-    y = x.clone()
-    y[0] = -y[0]
-    assert torch.equal(memo(y, scale=2.0), y * 2) and inner.calls == 6  # other bits
-    memo(y, scale=2.0, extra=object())
-    memo(y, scale=2.0, extra=object())
-    assert inner.calls == 8  # arguments other than tensors and plain values: always computed
+    assert torch.equal(memo(x, scale=2.0), x * 2) and inner.calls == 8
+    memo(x, scale=2.0, extra=object())
+    memo(x, scale=2.0, extra=object())
+    assert inner.calls == 10  # arguments other than tensors and plain values: always computed
