@@ -40,8 +40,9 @@ from ptq.modules import cached_weight
 
 
 class _Batch:
-    """Which batch the calling thread's pass runs (BlockRun.map_batches runs batches on
-    several threads at once), and the compute device replayed outputs return to."""
+    """Which batch the calling thread's pass runs and with which block inputs
+    (BlockRun.map_batches runs batches on several threads at once), and the compute device
+    replayed outputs return to."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -50,10 +51,6 @@ class _Batch:
     @property
     def index(self) -> int:
         return self._local.index
-
-    @index.setter
-    def index(self, value: int) -> None:
-        self._local.index = value
 
     def begin(self, index: int, args: tuple, kwargs: dict) -> None:
         """This thread's pass runs batch `index`, calling the block with args and kwargs."""
