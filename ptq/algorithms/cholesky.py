@@ -12,8 +12,8 @@ update) runs on one thread, the independent ones side by side on all threads
 (devices.cpu_parallel). The blocks are fixed by the matrix size alone, so the bits do not
 depend on the thread count. Up to SMALL rows (q/k/v, o and gate/up of SmolLM2-sized
 models) the blocks are too few to keep the threads busy and their Python costs more than
-the arithmetic: there LAPACK factors and inverts on one thread, 1.5 to 4 times faster here
-(576 rows: 3.1 against 6.3 ms), and as independent of the thread count.
+the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times faster here
+(576 rows: 4.3 against 6.3 ms; 256: 1.0 against 1.5), and as independent of the thread count.
 
 Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks. The
 factorisation reads only the lower triangle: the strict lower triangle of the original is
