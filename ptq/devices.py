@@ -191,15 +191,23 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
     return in_flight, threads // in_flight
 
 
-def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str) -> list[R]:
-    """[function(item) for item in items], side by side on a CPU (side_by_side), each
-    call under torch.no_grad (grad mode is per thread); all results kept."""
+def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
+                     waves: bool = False) -> Iterator[R]:
+    """function(item) for each item, in order, side by side on a CPU (side_by_side), each
+    call under torch.no_grad (grad mode is per thread). All at once, or with `waves` a
+    wave of calls (one per thread in flight) at a time, which bounds what waits in memory;
+    elsewhere one call after another, each result yielded as it comes."""
     shared = side_by_side(len(items), device)
     if shared is None:
-        return [function(item) for item in items]
+        yield from map(function, items)
+        return
+    in_flight, threads_each = shared
 
     def task(item: T) -> R:
         with torch.no_grad():
             return function(item)
 
-    return cpu_parallel([functools.partial(task, item) for item in items], *shared)
+    step = in_flight if waves else max(1, len(items))
+    for start in range(0, len(items), step):
+        yield from cpu_parallel([functools.partial(task, item) for item in items[start:start + step]],
+                                in_flight, threads_each)

@@ -294,7 +294,7 @@ def _run(module: nn.Module, inputs: Inputs) -> list[Tensor]:
         out = module(*batch[0], **batch[1])
         return out[0] if isinstance(out, tuple) else out
 
-    return map_side_by_side(one, list(inputs), next(module.parameters()).device)
+    return list(map_side_by_side(one, list(inputs), next(module.parameters()).device))
 
 
 def _squared_error(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:

@@ -20,7 +20,6 @@ and with which observer.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ptq.calibration.observers import Observer
-from ptq.devices import cpu_parallel, map_side_by_side, side_by_side
+from ptq.devices import map_side_by_side
 from ptq.modules import cached_weight
 
 Inputs = list[tuple[tuple, dict]]  # per batch: the block's positional and keyword arguments
@@ -264,33 +263,26 @@ class BlockRun:
                 handle.remove()
         return observers
 
+    @property
+    def device(self) -> torch.device:
+        """Where the block computes."""
+        return next(self.block.parameters()).device
+
     def map_batches(self, function: Callable[[int, tuple, dict], T]) -> Iterator[T]:
         """function(index, args, kwargs) of every batch, in order.
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
-        own thread with an equal share of torch's threads). Results are taken a wave of
-        batches at a time (one per thread in flight), which bounds what waits in memory."""
-        shared = side_by_side(len(self.inputs), _device_of(self.block))
-        if shared is None:
-            for i, (args, kwargs) in enumerate(self.inputs):
-                yield function(i, args, kwargs)
-            return
-        in_flight, threads_each = shared
-
-        def task(i: int):
-            with torch.no_grad():  # grad mode is per thread
-                return function(i, *self.inputs[i])
-
-        for start in range(0, len(self.inputs), in_flight):
-            indices = range(start, min(start + in_flight, len(self.inputs)))
-            yield from cpu_parallel([functools.partial(task, i) for i in indices], in_flight, threads_each)
+        own thread with an equal share of torch's threads), a wave at a time (one per thread
+        in flight), which bounds what waits in memory."""
+        return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
+                                waves=True)
 
     def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
         """[function(item) for item in items], side by side on a CPU as map_batches runs
         batches (all results are kept, so no waves): e.g. a quantized Linear's outputs on
         every recorded input, each a GEMM on one thread instead of one GEMM after another,
         each on all threads and joined after every call."""
-        return map_side_by_side(function, items, _device_of(self.block))
+        return list(map_side_by_side(function, items, self.device))
 
     @torch.no_grad()
     def first_input(self, module: nn.Module) -> Tensor:
@@ -316,10 +308,6 @@ class BlockRun:
         with cached_weight(self.block):
             return list(self.map_batches(
                 lambda _i, args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs))))))
-
-
-def _device_of(block: nn.Module) -> torch.device:
-    return next(block.parameters()).device
 
 
 def _raise_stop(_module, _args):

@@ -307,7 +307,7 @@ def quantize_block_sequentially(
     """Quantize the stages in order (quantize(stage, observer) quantizes the stage's
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
-    batch = _Batch(device=next(run.block.parameters()).device)
+    batch = _Batch(device=run.device)
     memo = contextlib.ExitStack()
     if batch.device.type == "cpu" and len(order.stages) > 1:  # on an accelerator the glue is cheap and memory dear
         memo.enter_context(_memoized(run.block, linears, batch, len(run.inputs)))
