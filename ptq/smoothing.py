@@ -135,22 +135,15 @@ class _InspectedInputs:
         self.mappings = mappings
         self.grams: dict[int, HessianObserver] = {}
         self.calls: dict[int, list] = {}
-        self.hooks: dict[nn.Module, Callable[[tuple, dict], None]] = {}  # for BlockRun.collect
+        self.hooks: list[tuple[nn.Module, Callable[[tuple, dict], None]]] = []  # for BlockRun.collect
         for i, m in enumerate(mappings):
             if per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
                 self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
-                self._add(m.balance[0], lambda a, kw, o=self.grams[i]: o.update(a[0]))  # they read one input
+                # the balance Linears read one input
+                self.hooks.append((m.balance[0], lambda a, kw, o=self.grams[i]: o.update(a[0])))
             else:
                 self.calls[i] = []
-                self._add(m.inspect, lambda a, kw, c=self.calls[i]: c.append((a, kw)))
-
-    def _add(self, module: nn.Module, callback: Callable[[tuple, dict], None]) -> None:
-        """One more callback for module's calls (mappings may inspect the same module)."""
-        before = self.hooks.get(module)
-        if before is None:
-            self.hooks[module] = callback
-        else:
-            self.hooks[module] = lambda a, kw: (before(a, kw), callback(a, kw))
+                self.hooks.append((m.inspect, lambda a, kw, c=self.calls[i]: c.append((a, kw))))
 
     def loss(self, i: int, args: QuantArgs, scale_dtype: torch.dtype) -> LossSums:
         """The mapping's loss sums over the samples of every process (ptq.distributed): the

@@ -210,14 +210,15 @@ class BlockRun:
         linears: dict[str, nn.Linear],
         make_observer: Callable[[], Observer],
         stop_at: nn.Module | None = None,
-        hooks: dict[nn.Module, Callable[[tuple, dict], None]] | None = None,
+        hooks: Sequence[tuple[nn.Module, Callable[[tuple, dict], None]]] = (),
     ) -> dict[str, Observer]:
         """Run every batch through the block and observe the inputs of the given Linears.
 
         Linears that receive the very same input tensor (q/k/v, gate/up) share one
         observer, so their statistic is computed once. With stop_at, each pass ends when
-        that module is about to run (nothing after it is needed). hooks: callbacks given
-        the (args, kwargs) each of these modules is called with. Batches may run side by
+        that module is about to run (nothing after it is needed). hooks: (module, callback)
+        pairs, the callback given the (args, kwargs) of each call of its module (in the
+        pairs' order where a module has several). Batches may run side by
         side (map_batches): what they observe is recorded, and observers and hooks see it
         batch by batch in order, call by call, on this thread.
         """
@@ -251,7 +252,7 @@ class BlockRun:
                 observer.update(x)
                 seen.append((x, observer))
 
-        handles = [m.register_forward_pre_hook(call(c), with_kwargs=True) for m, c in (hooks or {}).items()]
+        handles = [m.register_forward_pre_hook(call(c), with_kwargs=True) for m, c in hooks]
         handles += [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
         if stop_at is not None:
             handles.append(stop_at.register_forward_pre_hook(_raise_stop))
