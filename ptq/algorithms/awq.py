@@ -263,10 +263,9 @@ def make_module_loss(
     batches = list(zip(inputs, reference))
     device = balance[0].weight.device
 
-    def error_of(batch: tuple) -> float:  # one batch's Σ (out − ref)², the batches run side by side
+    def error_of(batch: tuple) -> float:  # one batch's; the batches run side by side
         (args, kwargs), ref = batch
-        out = module(*args, **kwargs)
-        return _squared_error([ref], [out[0] if isinstance(out, tuple) else out])
+        return _squared_error(ref, _output(module, args, kwargs))
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
@@ -290,20 +289,19 @@ def make_module_loss(
 
 @torch.no_grad()
 def _run(module: nn.Module, inputs: Inputs) -> list[Tensor]:
-    def one(batch: tuple) -> Tensor:
-        out = module(*batch[0], **batch[1])
-        return out[0] if isinstance(out, tuple) else out
-
-    return list(map_side_by_side(one, list(inputs), next(module.parameters()).device))
+    return list(map_side_by_side(lambda batch: _output(module, *batch), list(inputs), next(module.parameters()).device))
 
 
-def _squared_error(reference: Sequence[Tensor], outputs: Sequence[Tensor]) -> float:
-    """Σ (out − ref)²: float32 within each row, the rows added in float64."""
-    total = 0.0
-    for ref, out in zip(reference, outputs):
-        d = out.float().sub_(ref.to(out.device))  # [..., features]
-        total += float(d.square_().sum(dim=-1).double().sum())
-    return total
+def _output(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+    """module's output on one cached batch (a tuple's first element)."""
+    out = module(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _squared_error(reference: Tensor, output: Tensor) -> float:
+    """Σ (out − ref)² of one batch: float32 within each row, the rows added in float64."""
+    d = output.float().sub_(reference.to(output.device))  # [..., features]
+    return float(d.square_().sum(dim=-1).double().sum())
 
 
 def apply_awq_(
