@@ -6,7 +6,19 @@
    rounded to the weights' dtype, in the same float32 steps as torch, so to the same bits.
    torch takes about ten passes over [candidates, out, in] tensors for this; here each
    group is done while it is in the cache. Rows are independent: callers split them, or the
-   candidates, across threads. Built with the GPTQ loop (setup.py): no fused multiply-add. */
+   candidates, across threads. Built with the GPTQ loop (setup.py): no fused multiply-add
+   is formed by the compiler.
+
+   On a CPU with AVX-512, groups of a multiple of 16 columns take a vector path with the
+   same bits (candidate_rows_avx512): each row's ranges first, then its parameters, then its
+   candidates, so that no group waits on the one before; and each division by the group
+   scale or by s done as a multiplication by the reciprocal and one exact correction
+   (Markstein's: q = a·y, then q + (a - q·b)·y with y = 1/b rounded to nearest and the
+   residual exact by one fused multiply-add; rounded to nearest, that is a/b rounded to
+   nearest while dividend, residual and quotient stay in the normal range). Where they may
+   not (values beyond SAFE, scales or quotients below SMALLEST), it divides, or runs the
+   row the portable way. Checked bit for bit against the portable loop on 849M random
+   weights (tests/algorithms/test_awq_compiled.py checks edge values). */
 
 #include "quant_math.h"
 
@@ -86,16 +98,10 @@ VECTORIZED static void store(const float *x, void *out, int64_t n, int kind) {
 }
 
 /* Candidate weights of rows [r0, r1) of W [rows, in] (float32) for the candidate scales
-   s [in]: groups of `size` consecutive columns (in for one group per row), the scale
-   rounded to scale_kind, the candidate to weight_kind (SCALE_* both). Writes the candidate,
-   or (delta) the candidate minus W, in out_kind into out [rows, in] (rows r0..r1 only).
-   Returns 0, or 1 when memory ran out. */
-int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s, int64_t size,
-                       int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
-                       int32_t delta, int32_t out_kind, void *out) {
-    float *x = malloc((size_t)in * sizeof(float));
-    if (!x)
-        return 1;
+   s [in], portably: see ptq_awq_candidates. x: `in` floats of scratch. */
+static void candidate_rows(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s, int64_t size,
+                           int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
+                           int32_t delta, int32_t out_kind, void *out, float *x) {
     const size_t width = out_kind == SCALE_F32 ? 4 : 2;
     const GroupFn candidate_group = GROUPS[scale_kind][weight_kind];
     for (int64_t r = r0; r < r1; r++) {
@@ -110,6 +116,161 @@ int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const
             subtract(x, w, in);
         store(x, (char *)out + (size_t)r * (size_t)in * width, in, out_kind);
     }
+}
+
+/* ---- The AVX-512 path: the portable loop's float32 steps, 16 columns at a time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f")))
+#define HAS_AVX512 1
+
+AVX512 static inline __m512 to_bf16_v(__m512 x) { /* to_bf16, lane by lane */
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+AVX512 static inline __m512 to_scale_dtype_v(__m512 x, int kind) {
+    if (kind == SCALE_BF16)
+        return to_bf16_v(x);
+    if (kind == SCALE_F16)
+        return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return x;
+}
+
+/* round_clamp: (r < lo ? lo : r), then (r > hi ? hi : r), as max and min take them */
+AVX512 static inline __m512 round_clamp_v(__m512 x, __m512 lo, __m512 hi) {
+    const __m512 rounder = _mm512_set1_ps(ROUNDER);
+    const __m512 r = _mm512_sub_ps(_mm512_add_ps(x, rounder), rounder);
+    return _mm512_min_ps(hi, _mm512_max_ps(lo, r));
+}
+
+/* a / b rounded to nearest, from y = 1/b rounded to nearest (Markstein's correction) */
+AVX512 static inline __m512 divide_v(__m512 a, __m512 b, __m512 y) {
+    const __m512 q = _mm512_mul_ps(a, y);
+    return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), y, q);
+}
+
+AVX512 static inline void store_v(__m512 y, void *out, int64_t i, int kind) { /* store, 16 values */
+    if (kind == SCALE_BF16) {
+        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(y)), 16);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(bits));
+    } else if (kind == SCALE_F16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                            _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm512_storeu_ps((float *)out + i, y);
+    }
+}
+
+static const float SAFE = 0x1p100f; /* reciprocals of values within [1/SAFE, SAFE] stay normal */
+/* Markstein's correction is exact where the dividend and the quotient are above this (the
+   residual and its product with the reciprocal stay normal) */
+static const float SMALLEST = 0x1p-90f;
+
+/* The portable loop's rows, for groups of a multiple of 16 columns and every s within
+   [1/SAFE, SAFE]. rs: 1/s; params: 4 floats per group. A row whose scaled range is not
+   finite or reaches SAFE goes the portable way (x: its scratch). */
+AVX512 static void candidate_rows_avx512(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s,
+                                         const float *rs, int64_t size, int32_t scale_kind, float qmin, float qmax,
+                                         int32_t asym, int32_t weight_kind, int32_t delta, int32_t out_kind,
+                                         void *out, float *params, float *x) {
+    const size_t width = out_kind == SCALE_F32 ? 4 : 2;
+    const int64_t groups = in / size;
+    float *lo = params, *hi = lo + groups, *scale = hi + groups, *zero = scale + groups;
+    const __m512 vqmin = _mm512_set1_ps(qmin), vqmax = _mm512_set1_ps(qmax);
+    const __m512 smallest = _mm512_set1_ps(SMALLEST);
+    for (int64_t r = r0; r < r1; r++) {
+        const float *w = W + r * in;
+        void *o = (char *)out + (size_t)r * (size_t)in * width;
+        const __m512 safe = _mm512_set1_ps(SAFE);
+        __mmask16 wide = 0; /* a value not below SAFE: infinite, NaN, or too large for the reciprocals */
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t b = g * size;
+            __m512 l = _mm512_mul_ps(_mm512_loadu_ps(w + b), _mm512_loadu_ps(s + b)), h = l;
+            wide |= _mm512_cmp_ps_mask(_mm512_abs_ps(l), safe, _CMP_NLT_UQ);
+            for (int64_t m = b + 16; m < b + size; m += 16) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w + m), _mm512_loadu_ps(s + m));
+                wide |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), safe, _CMP_NLT_UQ);
+                l = _mm512_min_ps(v, l);
+                h = _mm512_max_ps(v, h);
+            }
+            lo[g] = _mm512_reduce_min_ps(l);
+            hi[g] = _mm512_reduce_max_ps(h);
+        }
+        if (wide) {
+            candidate_rows(r, r + 1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta, out_kind,
+                           out, x);
+            continue;
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            zero[g] = 0;
+            group_params(lo[g], hi[g], qmin, qmax, scale_kind, asym, scale + g, zero + g);
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 sc = _mm512_set1_ps(scale[g]), zr = _mm512_set1_ps(zero[g]);
+            const __m512 rsc = _mm512_set1_ps(1.0f / scale[g]);
+            /* a scale this small would leave the corrections' residuals inexact: divide */
+            const int divide = scale[g] < SMALLEST;
+            for (int64_t m = g * size; m < (g + 1) * size; m += 16) {
+                const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);
+                /* else the dividends are above SMALLEST, or their quotients below 1/2 (0
+                   once rounded, however inexact) */
+                const __m512 x = _mm512_mul_ps(wv, sv);
+                const __m512 q = divide ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);
+                const __m512 t = _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr);
+                /* 0, or at least the scale: above SMALLEST */
+                const __m512 a = to_scale_dtype_v(_mm512_mul_ps(t, sc), scale_kind);
+                __m512 c = divide ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));
+                const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(c), smallest, _CMP_LT_OQ) &
+                                       _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                if (tiny) /* the quotient too: divide */
+                    c = _mm512_mask_div_ps(c, tiny, a, sv);
+                c = to_scale_dtype_v(c, weight_kind);
+                if (delta)
+                    c = _mm512_sub_ps(c, wv);
+                store_v(c, o, m, out_kind);
+            }
+        }
+    }
+}
+
+/* whether every s is within [1/SAFE, SAFE]; and its reciprocals into rs */
+AVX512 static int reciprocals(const float *s, float *rs, int64_t n) {
+    __mmask16 outside = 0;
+    for (int64_t m = 0; m < n; m += 16) {
+        const __m512 v = _mm512_loadu_ps(s + m);
+        outside |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(1 / SAFE), _CMP_NGE_UQ) |
+                   _mm512_cmp_ps_mask(v, _mm512_set1_ps(SAFE), _CMP_NLE_UQ);
+        _mm512_storeu_ps(rs + m, _mm512_div_ps(_mm512_set1_ps(1.0f), v));
+    }
+    return outside == 0;
+}
+#else
+#define HAS_AVX512 0
+#endif
+
+/* Candidate weights of rows [r0, r1) of W [rows, in] (float32) for the candidate scales
+   s [in]: groups of `size` consecutive columns (in for one group per row), the scale
+   rounded to scale_kind, the candidate to weight_kind (SCALE_* both). Writes the candidate,
+   or (delta) the candidate minus W, in out_kind into out [rows, in] (rows r0..r1 only).
+   portable: never the AVX-512 path (for tests). Returns 0, or 1 when memory ran out. */
+int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s, int64_t size,
+                       int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
+                       int32_t delta, int32_t out_kind, void *out, int32_t portable) {
+    const int64_t groups = in / size;
+    float *x = malloc((size_t)(2 * in + 4 * groups) * sizeof(float)); /* x, then rs and params */
+    if (!x)
+        return 1;
+#if HAS_AVX512
+    if (!portable && size % 16 == 0 && __builtin_cpu_supports("avx512f") && reciprocals(s, x + in, in))
+        candidate_rows_avx512(r0, r1, W, in, s, x + in, size, scale_kind, qmin, qmax, asym, weight_kind, delta,
+                              out_kind, out, x + 2 * in, x);
+    else
+#endif
+        candidate_rows(r0, r1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta, out_kind, out, x);
+    (void)portable;
     free(x);
     return 0;
 }

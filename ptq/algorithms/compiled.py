@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ptq.schemes import QuantArgs
 
-ABI = 2  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 3  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -42,7 +42,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     ]
     lib.ptq_gptq_has_float16.restype = ctypes.c_int
     lib.ptq_awq_candidates.restype = ctypes.c_int
-    lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P]
+    lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P, _C]
     lib.ptq_awq_dot.restype = ctypes.c_double
     lib.ptq_awq_dot.argtypes = [_P, _P, _I, _C]
     lib.ptq_pack_int32.restype = None
@@ -77,17 +77,19 @@ def awq_grid_for(W: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> bool:
 
 
 def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dtype, weight_dtype: torch.dtype,
-                  out: Tensor, delta: bool) -> Tensor:
+                  out: Tensor, delta: bool, portable: bool = False) -> Tensor:
     """Q(W·diag(s))·diag(1/s) rounded to weight_dtype (minus W when delta) into out [out, in]
     (float32, bf16 or float16): awq.candidate_weights for one candidate s [in], from
-    W32 [out, in], W's values in float32 (awq_grid_for must have said yes)."""
+    W32 [out, in], W's values in float32 (awq_grid_for must have said yes). portable: not
+    the AVX-512 path, which gives the same bits (for tests)."""
     rows, cols = W32.shape
     assert W32.dtype == s.dtype == torch.float32 and W32.is_contiguous() and s.is_contiguous()
     assert out.shape == W32.shape and out.is_contiguous() and out.dtype in KINDS
     size = args.group_size if args.strategy == "group" else cols
     status = library()[0].ptq_awq_candidates(
         0, rows, W32.data_ptr(), cols, s.data_ptr(), size, KINDS[scale_dtype], float(args.qmin), float(args.qmax),
-        int(not args.symmetric), KINDS[weight_dtype], int(delta), KINDS[out.dtype], out.data_ptr())
+        int(not args.symmetric), KINDS[weight_dtype], int(delta), KINDS[out.dtype], out.data_ptr(),
+        int(portable))
     if status:
         raise MemoryError("AWQ's compiled grid ran out of memory for one row")
     return out

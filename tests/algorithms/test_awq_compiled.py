@@ -60,6 +60,50 @@ def test_compiled_candidates_have_the_bits_of_torch_fake_quantization(bits, symm
         assert torch.equal(delta, (reference[2].float() - W.float()).bfloat16())
 
 
+def _edge_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """W [24, 96] whose rows reach what the AVX-512 path checks: zero groups, values near
+    the float32 normal range's ends (quotients that leave it), an infinity and a NaN; and
+    candidate scales [3, 96], one with values beyond 2^100."""
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(24, 96, generator=g) * 0.05
+    W[1, :32] = 0  # a zero group: its scale is the dtype's smallest
+    W[2] *= 1e-36  # candidates near and below the smallest normal
+    W[3, 40] = 1e-38
+    W[4] *= 1e30  # scaled by s, beyond 2^100
+    W[5, 7] = float("inf")
+    W[6, 50] = float("nan")
+    W[7, :16] = -0.0
+    scales = torch.rand(3, 96, generator=g) * 3 + 0.05
+    scales[1, :8] = 1e-3
+    scales[2, 9] = 2.0**101
+    return W, scales
+
+
+@pytest.mark.parametrize("group_size", [16, 32, None])
+def test_the_vector_path_has_the_bits_of_the_portable_one(group_size):
+    """On a CPU with AVX-512 the grid takes a vector path (divisions by a reciprocal and one
+    exact correction); elsewhere both calls take the portable loop. Bit for bit, NaN
+    included, on random and on edge values, for every scheme and dtype."""
+    W_edge, s_edge = _edge_weights()
+    for bits, symmetric in itertools.product((2, 4, 8), (True, False)):
+        args = QuantArgs(num_bits=bits, symmetric=symmetric, strategy="group" if group_size else "channel",
+                         group_size=group_size)
+        for (W, scales), weight_dtype, scale_dtype, delta in itertools.product(
+                (_weights(torch.float32, seed=bits), (W_edge, s_edge)), (torch.float32, torch.bfloat16),
+                SCALE_DTYPES, (False, True)):
+            W = W.to(weight_dtype)
+            W32 = W.float().contiguous()
+            out_dtype = torch.bfloat16 if delta else weight_dtype
+            for s in scales:
+                got, portable = (torch.empty(W.shape, dtype=out_dtype) for _ in range(2))
+                compiled.awq_candidate(W32, s.contiguous(), args, scale_dtype, weight_dtype, got, delta)
+                compiled.awq_candidate(W32, s.contiguous(), args, scale_dtype, weight_dtype, portable, delta,
+                                       portable=True)
+                as_int = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(got.view(as_int), portable.view(as_int)), (bits, symmetric, weight_dtype,
+                                                                              scale_dtype, delta)
+
+
 def test_the_grid_falls_back_to_torch_where_it_does_not_apply():
     W = torch.zeros(8, 64)
     assert not compiled.awq_grid_for(W, QuantArgs(num_bits=4, strategy="tensor"), torch.float32)
