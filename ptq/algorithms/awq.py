@@ -69,16 +69,16 @@ class AWQResult:
 
 def weight_mean(weights: Sequence[Tensor], args: QuantArgs) -> Tensor:
     """w̄ [in]: mean over all rows of the balance weights of |W| / max|W| per quantization group."""
-    W = torch.cat([w.detach().float() for w in weights]).abs()  # [out_total, in]
+    W = torch.cat([w.detach() for w in weights]).float().abs_()  # [out_total, in]: a copy, then in place
     rows, cols = W.shape
     if args.strategy == "group":
         n = num_groups(cols, args)
         grouped = W.view(rows, n, cols // n)  # [out, groups, group_size]
-        W = (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).view(rows, cols)
+        grouped.div_(grouped.amax(dim=-1, keepdim=True) + 1e-6)
     elif args.strategy == "tensor":
-        W = W / (W.amax() + 1e-6)
+        W.div_(W.amax() + 1e-6)
     else:  # channel: the group is the whole row
-        W = W / (W.amax(dim=1, keepdim=True) + 1e-6)
+        W.div_(W.amax(dim=1, keepdim=True) + 1e-6)
     return W.mean(dim=0)  # [in]
 
 
