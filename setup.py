@@ -1,6 +1,7 @@
 """ptq's compiled loops (ptq/algorithms/gptq_loop.c: GPTQ's column loop; awq_grid.c: AWQ's
-candidate grid; ptq/packing.c: int32 packing), built when a C compiler is there; without one ptq installs all the same and
-runs the torch references (the report says so).
+candidate grid; ptq/packing.c: int32 packing; ptq/calibration/gram_amx.c: Hessians with
+AMX), built when a C compiler is there; without one ptq installs all the same and runs the
+torch references (the report says so).
 Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
@@ -9,7 +10,8 @@ setup(
     ext_modules=[
         Extension(
             "ptq.algorithms._compiled",
-            sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c"],
+            sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
+                     "ptq/calibration/gram_amx.c"],
             depends=["ptq/algorithms/quant_math.h"],
             # no fused multiply-adds: the same bits on every CPU (see the file's header)
             extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11"],

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ptq import moe
+from ptq.algorithms import compiled
 from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
@@ -170,6 +171,9 @@ def quantize(
         report.calibration_data = _describe_data(data)
     if device.type == "cpu":
         report.cpu = cpu_settings()
+        if report.compute_dtype == torch.bfloat16 and weights_use_calibration(recipe):
+            # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)
+            report.cpu["bf16_hessians"] = "AMX tiles (compiled)" if compiled.amx() else "oneDNN GEMMs"
         if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"

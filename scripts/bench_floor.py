@@ -7,8 +7,8 @@ Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibrati
   the compute dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
 - Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
   diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or at
-  the bf16 rate where ptq multiplies bf16 values in bf16 with float32 sums (the faster
-  counts);
+  the bf16 rate where ptq multiplies bf16 values in bf16 with float32 sums (oneDNN's
+  float32 GEMMs of bf16 values, or AMX tiles; the faster counts);
 
 and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
@@ -105,16 +105,17 @@ class Floor:
                 f"inverse {self.inverse:.2f} + column loop {self.loop:.2f} s")
 
 
-def hessian_macs(n: int) -> float:
-    """MACs per token of one Hessian [n, n], blocks on and above the diagonal as ptq accumulates."""
+def hessian_macs(n: int, tiles: bool = False) -> float:
+    """MACs per token of one Hessian [n, n], blocks on and above the diagonal as ptq
+    accumulates them (tiles: on AMX tiles, in smaller blocks)."""
     from ptq.calibration.observers import HessianObserver
 
-    edges = HessianObserver()._edges(n)
-    return sum((b - a) * (n - a) for a, b in zip(edges, edges[1:]))
+    return HessianObserver.macs(n, tiles)
 
 
 def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
     """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens."""
+    from ptq.algorithms import compiled
     from ptq.devices import bf16_valued_gemms_exact, compute_dtype_for
 
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -129,14 +130,17 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
         + 2 * seq * q / rates.gemm(seq, head, seq, dtype))  # scores and weighted sum
     flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * seq * q)
 
+    def tiles(n: int) -> bool:  # ptq sums bf16 inputs on AMX tiles here
+        return dtype == torch.bfloat16 and n % 32 == 0 and compiled.amx()
+
     def hessian_seconds(n: int) -> float:
         rate = rates.gemm(n, m, n, torch.float32)
-        if dtype == torch.bfloat16 and bf16_valued_gemms_exact():
+        if dtype == torch.bfloat16 and (bf16_valued_gemms_exact() or tiles(n)):
             rate = max(rate, rates.gemm(n, m, n, torch.bfloat16))
-        return 2 * tokens * hessian_macs(n) / rate
+        return 2 * tokens * hessian_macs(n, tiles(n)) / rate
 
     hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones
-    flops += 2 * tokens * layers * (3 * hessian_macs(h) + hessian_macs(i))
+    flops += 2 * tokens * layers * (3 * hessian_macs(h, tiles(h)) + hessian_macs(i, tiles(i)))
     weights = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of each solve
     cholesky = inverse = loop = 0.0
     for out, n in weights:

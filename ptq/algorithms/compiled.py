@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ptq.schemes import QuantArgs
 
-ABI = 3  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 4  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -45,6 +45,12 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P, _C]
     lib.ptq_awq_dot.restype = ctypes.c_double
     lib.ptq_awq_dot.argtypes = [_P, _P, _I, _C]
+    lib.ptq_amx_available.restype = ctypes.c_int
+    lib.ptq_amx_available.argtypes = []
+    lib.ptq_gram_pack.restype = None
+    lib.ptq_gram_pack.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P]
+    lib.ptq_gram_amx.restype = None
+    lib.ptq_gram_amx.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _I]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -101,6 +107,50 @@ def dot(a: Tensor, b: Tensor) -> float:
     assert a.shape == b.shape and a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16)
     assert a.is_contiguous() and b.is_contiguous()
     return library()[0].ptq_awq_dot(a.data_ptr(), b.data_ptr(), a.numel(), KINDS[a.dtype])
+
+
+def amx() -> bool:
+    """Whether Hessians of bf16 inputs can run on AMX tiles here (gram_amx.c): the library
+    is built, the CPU has AMX-BF16 and the OS granted this process its tile state."""
+    lib = library()[0]
+    return lib is not None and _amx_granted(lib)
+
+
+@functools.cache
+def _amx_granted(lib: ctypes.CDLL) -> bool:
+    return bool(lib.ptq_amx_available())
+
+
+class GramTiles:
+    """Buffers for up to `capacity` tokens of n features (bf16, n a multiple of 32) laid out
+    as AMX tiles (gram_amx.c), reused chunk after chunk: load(X) takes a chunk X [T, n],
+    pack(f0, f1) lays out its feature blocks [f0, f1) of 16 (callers may split them across
+    threads), then gram_rows adds its XᵀX to rows of a sum."""
+
+    def __init__(self, capacity: int, features: int):
+        assert amx() and features % 32 == 0
+        self.features, self.stride = features, -(-capacity // 32)  # tiles per block of 16 features
+        self.XV = torch.empty(self.stride * 32 * features, dtype=torch.bfloat16)  # B tiles
+        self.XT = torch.empty(self.stride * 32 * features, dtype=torch.bfloat16)  # A tiles
+        self.X, self.padded = None, 0
+
+    def load(self, X: Tensor) -> None:
+        assert X.dtype == torch.bfloat16 and X.dim() == 2 and X.stride(1) == 1 and X.shape[1] == self.features
+        self.X, self.padded = X, -(-X.shape[0] // 32) * 32  # tokens up to a whole tile, zeros after
+        assert self.padded <= 32 * self.stride
+
+    def pack(self, f0: int, f1: int) -> None:
+        library()[0].ptq_gram_pack(self.X.data_ptr(), self.X.shape[0], self.X.stride(0), self.padded, self.stride,
+                                   f0, f1, self.XV.data_ptr(), self.XT.data_ptr())
+
+    def gram_rows(self, total: Tensor, i0: int, i1: int) -> None:
+        """total[i0:i1, i0:] += X[:, i0:i1]ᵀ X[:, i0:] in the 32 x 32 blocks on and above the
+        diagonal (float32 [n, n], contiguous; i0, i1 multiples of 32)."""
+        n = self.features
+        assert total.dtype == torch.float32 and total.shape == (n, n) and total.is_contiguous()
+        assert i0 % 32 == 0 and i1 % 32 == 0 and 0 <= i0 < i1 <= n
+        library()[0].ptq_gram_amx(self.XV.data_ptr(), self.XT.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
+                                  total.data_ptr(), n)
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

@@ -1,0 +1,170 @@
+/* Hessians Σ x xᵀ of bf16 inputs on a CPU with AMX (Intel's tile multiply: bf16 products
+   summed in float32 tiles), compiled.
+
+   The torch reference is ptq/calibration/observers.py (HessianObserver): there the sum
+   runs as oneDNN GEMMs of the inputs converted to float32 and multiplied in bf16, which
+   torch offers no faster way to do on a CPU (a bf16 GEMM rounds its sums to bf16). Here:
+
+   - ptq_gram_pack lays a chunk of tokens X [T, n] (bf16, row stride ld) out as tiles:
+     B tiles XV [n/16][stride][16 token pairs][16 features][2 tokens] (the layout AMX
+     multiplies by) and A tiles XT [n/16][stride][16 features][32 tokens] (the same tiles
+     transposed as 32-bit pairs), of which the first Tp/32 per block are used, tokens T..Tp
+     zero. Each tile is 1 KiB, contiguous.
+   - ptq_gram_amx adds XᵀX to the rows [i0, i1) and columns [j0, n) of the float32 sum,
+     on and above the diagonal, 2 x 2 tiles (32 x 32 elements) at a time, over CHUNK tiles
+     of tokens while their A tiles stay in the L1 cache, and over a panel of columns whose
+     B tiles stay in the L2 cache.
+
+   Every element of the sum gets its tokens' products added in token order, pairs at a
+   time, as TDPBF16PS does them (round to nearest even; denormal inputs and results
+   flushed to zero), so the sum does not depend on how rows are split across threads or
+   calls. It differs from the oneDNN path's in the last bits (another order of sums).
+
+   Linux hands out AMX's tile state only on request (arch_prctl): ptq_amx_available asks. */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, CHUNK = 8, TILE = 512 /* bf16 per tile */ };
+static const int64_t PANEL_BYTES = 1 << 20;
+
+int ptq_amx_available(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) /* AMX-BF16, -TILE */
+        return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) /* OSXSAVE: xgetbv may run */
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) /* the OS saves the tile state */
+        return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* rows [16] of 16 32-bit values, transposed in place (4 rounds of shuffles) */
+__attribute__((target("avx512f"))) static void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3 */
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) { /* row 4L + k: lane L of b[k], b[4 + k], b[8 + k], b[12 + k] */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
+        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+        r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+    }
+}
+
+/* X [T, n] -> XV and XT (see the header) for the feature blocks [f0, f1) of 16; n a
+   multiple of 16, Tp of 32, T <= Tp; the buffers hold `stride` tiles per feature block */
+__attribute__((target("avx512f,avx2"))) void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp,
+                                                          int64_t stride, int64_t f0, int64_t f1, uint16_t *XV,
+                                                          uint16_t *XT) {
+    const int64_t tiles = Tp / 32;
+    for (int64_t k = 0; k < tiles; k++) /* 32 tokens at a time: their rows stay in the L1 cache */
+        for (int64_t f = f0; f < f1; f++) {
+            uint16_t *v = XV + (f * stride + k) * TILE, *a = XT + (f * stride + k) * TILE;
+            __m512i rows[16];
+            for (int64_t p = 0; p < 16; p++) { /* token pair p: its 16 features, interleaved */
+                const int64_t t = k * 32 + 2 * p;
+                const __m256i x0 = t < T ? _mm256_loadu_si256((const __m256i *)(X + t * ld + f * 16))
+                                         : _mm256_setzero_si256();
+                const __m256i x1 = t + 1 < T ? _mm256_loadu_si256((const __m256i *)(X + (t + 1) * ld + f * 16))
+                                             : _mm256_setzero_si256();
+                const __m256i lo = _mm256_unpacklo_epi16(x0, x1), hi = _mm256_unpackhi_epi16(x0, x1);
+                const __m256i first = _mm256_permute2x128_si256(lo, hi, 0x20); /* features 0..7 */
+                const __m256i last = _mm256_permute2x128_si256(lo, hi, 0x31);  /* features 8..15 */
+                rows[p] = _mm512_inserti64x4(_mm512_castsi256_si512(first), last, 1);
+                _mm512_storeu_si512(v + p * 32, rows[p]);
+            }
+            transpose16(rows); /* row f: feature f's 16 pairs = 32 tokens */
+            for (int64_t r = 0; r < 16; r++)
+                _mm512_storeu_si512(a + r * 32, rows[r]);
+        }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* sum[i0:i1, j0:n] += XᵀX from the packed tiles of Tp tokens (`stride` tiles per feature
+   block in the buffers), in blocks of 32 x 32 on and above the diagonal only; i0, i1, j0
+   and n multiples of 32; sum float32 with row stride ld */
+__attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp,
+                                                               int64_t stride, int64_t n, int64_t i0, int64_t i1,
+                                                               int64_t j0, float *sum, int64_t ld) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) { /* 0-3: sums, 4-5: A, 6-7: B; 16 rows of 64 bytes each */
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    const int64_t tiles = Tp / 32, row_bytes = ld * (int64_t)sizeof(float);
+    int64_t panel = PANEL_BYTES / (Tp * 2) / 32 * 32; /* columns whose B tiles stay in the L2 cache */
+    panel = panel < 32 ? 32 : panel;
+    for (int64_t p0 = j0; p0 < n; p0 += panel)
+    for (int64_t i = i0; i < i1; i += 32)
+        for (int64_t k0 = 0; k0 < tiles; k0 += CHUNK) {
+            const int64_t k1 = k0 + CHUNK < tiles ? k0 + CHUNK : tiles;
+            const uint16_t *a0 = XT + (i / 16) * stride * TILE, *a1 = a0 + stride * TILE;
+            for (int64_t j = p0 > i ? p0 : i; j < n && j < p0 + panel; j += 32) { /* on and above the diagonal */
+                const uint16_t *b0 = XV + (j / 16) * stride * TILE, *b1 = b0 + stride * TILE;
+                float *c = sum + i * ld + j;
+                _tile_loadd(0, c, row_bytes);
+                _tile_loadd(1, c + 16, row_bytes);
+                _tile_loadd(2, c + 16 * ld, row_bytes);
+                _tile_loadd(3, c + 16 * ld + 16, row_bytes);
+                for (int64_t k = k0; k < k1; k++) {
+                    _tile_loadd(4, a0 + k * TILE, 64);
+                    _tile_loadd(5, a1 + k * TILE, 64);
+                    _tile_loadd(6, b0 + k * TILE, 64);
+                    _tile_loadd(7, b1 + k * TILE, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c, row_bytes);
+                _tile_stored(1, c + 16, row_bytes);
+                _tile_stored(2, c + 16 * ld, row_bytes);
+                _tile_stored(3, c + 16 * ld + 16, row_bytes);
+            }
+        }
+    _tile_release();
+}
+
+#else /* no AMX here: the observer keeps its oneDNN GEMMs */
+
+int ptq_amx_available(void) { return 0; }
+
+void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp, int64_t stride, int64_t f0, int64_t f1,
+                   uint16_t *XV, uint16_t *XT) {
+    (void)X, (void)T, (void)ld, (void)Tp, (void)stride, (void)f0, (void)f1, (void)XV, (void)XT;
+}
+
+void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp, int64_t stride, int64_t n, int64_t i0,
+                  int64_t i1, int64_t j0, float *sum, int64_t ld) {
+    (void)XV, (void)XT, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld;
+}
+
+#endif

@@ -1,0 +1,107 @@
+"""Hessians of bf16 inputs on AMX tiles (ptq/calibration/gram_amx.c, compiled.GramTiles),
+on CPUs that have AMX: the tile layouts against torch, and the observer's H against the
+exact product and against its oneDNN path, for partial tiles, several flushes and inputs
+that change dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ptq.algorithms import compiled
+from ptq.calibration.observers import HessianObserver
+
+pytestmark = pytest.mark.skipif(not compiled.amx(), reason="this CPU (or its OS) does not give AMX tiles")
+
+
+def _inputs(tokens: int, features: int, seed: int = 0) -> torch.Tensor:
+    """bf16 activations [tokens, features] with a few large channels, as LLM inputs have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, features, generator=g)
+    x[:, :3] *= 30
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("tokens", [1, 45, 64])
+def test_tiles_are_the_layouts_amx_multiplies(tokens):
+    X = _inputs(tokens, 96)
+    tiles = compiled.GramTiles(tokens, 96)
+    tiles.load(X)
+    tiles.pack(0, 2)
+    tiles.pack(2, 6)  # in two calls, as threads split them
+    padded = torch.cat([X, X.new_zeros(tiles.padded - tokens, 96)])  # [Tp, 96]
+    # B tiles [features/16][Tp/32][16 token pairs][16 features][2]; A tiles [features/16][Tp/32][16][32]
+    XV = padded.view(-1, 16, 2, 6, 16).permute(3, 0, 1, 4, 2).reshape(-1)
+    XT = padded.view(-1, 32, 6, 16).permute(2, 0, 3, 1).reshape(-1)
+    assert torch.equal(tiles.XV[:XV.numel()], XV) and torch.equal(tiles.XT[:XT.numel()], XT)
+
+
+def test_gram_rows_add_to_the_blocks_on_and_above_the_diagonal_of_the_rows_asked_for():
+    X = _inputs(100, 128, seed=1)
+    tiles = compiled.GramTiles(200, 128)  # room for more tokens than this chunk's
+    tiles.load(X)
+    tiles.pack(0, 8)
+    total = torch.ones(128, 128)
+    tiles.gram_rows(total, 32, 96)
+    exact = X.double().t() @ X.double()
+    expected = torch.ones(128, 128, dtype=torch.float64)
+    expected[32:64, 32:] += exact[32:64, 32:]  # 32 x 32 blocks from the diagonal on
+    expected[64:96, 64:] += exact[64:96, 64:]
+    # float32 sums of 100 exact products: within 2^-20 of the largest entry
+    assert float((total.double() - expected).abs().max()) < 2**-20 * float(exact.abs().max())
+    untouched = expected == 1
+    assert untouched.sum() == 128 * 128 - 32 * 96 - 32 * 64
+    assert torch.equal(total[untouched], torch.ones(int(untouched.sum())))
+
+
+@pytest.mark.parametrize("features", [64, 576, 1536])
+def test_amx_hessian_is_float32_accurate_over_several_flushes(features):
+    # 5000 tokens: two full flushes of PENDING_TOKENS and a partial one, in batches of 1000
+    x = _inputs(5000, features, seed=features)
+    observer = HessianObserver()
+    for batch in x.split(1000):
+        observer.update(batch)
+    assert observer._amx
+    exact = 2 * x.double().t() @ x.double() / 5000
+    H = observer.value
+    assert torch.equal(H, H.t())
+    assert float((H.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
+def test_amx_and_onednn_paths_agree(monkeypatch):
+    x = _inputs(3000, 256, seed=5)
+
+    def hessian() -> torch.Tensor:
+        observer = HessianObserver()
+        observer.update(x)
+        return observer.value
+
+    on_tiles = hessian()
+    monkeypatch.setattr(compiled, "amx", lambda: False)
+    with_onednn = hessian()
+    # both sum exact bf16 products in float32, in other orders
+    assert float((on_tiles - with_onednn).abs().max() / with_onednn.abs().max()) < 1e-6
+    assert not torch.equal(on_tiles, with_onednn)  # two paths indeed
+
+
+def test_inputs_that_change_dtype_are_summed_each_in_its_own_mode():
+    x = _inputs(300, 64, seed=6)
+    observer = HessianObserver()
+    observer.update(x[:100])
+    observer.update(x[100:200].float() + 1e-3)  # float32 values a bf16 buffer would round
+    observer.update(x[200:])
+    flat = torch.cat([x[:100].double(), x[100:200].double() + 1e-3, x[200:].double()])
+    exact = 2 * flat.t() @ flat / 300
+    assert float((observer.value.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
+def test_the_report_names_how_bf16_hessians_were_summed(monkeypatch):
+    from ptq.devices import cpu_bf16_is_fast
+
+    from ..algorithms.test_gptq_compiled import report_of
+
+    if not cpu_bf16_is_fast():
+        pytest.skip("ptq computes in float32 on this CPU")
+    assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "AMX tiles (compiled)"
+    monkeypatch.setattr(compiled, "amx", lambda: False)
+    assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "oneDNN GEMMs"
