@@ -17,6 +17,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from ptq.devices import cpu_parallel
 from ptq.schemes import QuantArgs
 
 ABI = 4  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
@@ -51,6 +52,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_pack.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P]
     lib.ptq_gram_amx.restype = None
     lib.ptq_gram_amx.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _I]
+    lib.ptq_gram_quadratic.restype = ctypes.c_double
+    lib.ptq_gram_quadratic.argtypes = [_P, _I, _I, _P]
+    lib.ptq_gram_quadratic_pack.restype = None
+    lib.ptq_gram_quadratic_pack.argtypes = [_P, _I, _I, _I, _I, _P]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -151,6 +156,30 @@ class GramTiles:
         assert i0 % 32 == 0 and i1 % 32 == 0 and 0 <= i0 < i1 <= n
         library()[0].ptq_gram_amx(self.XV.data_ptr(), self.XT.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
                                   total.data_ptr(), n)
+
+
+class QuadraticForm:
+    """d -> Σ_r d_r G d_rᵀ for a fixed symmetric G [in, in] (rounded to bf16) and many
+    D [rows, in] (bf16; rows and in multiples of 32), on AMX tiles (gram_amx.c): the
+    32 x 32 blocks of G on and above the diagonal only, those above doubled (exact in
+    bf16), so half the multiply-adds of D·G; sums in float32 tiles, then float64."""
+
+    def __init__(self, G: Tensor):
+        assert amx() and G.dim() == 2 and G.shape[0] == G.shape[1] and G.shape[0] % 32 == 0
+        G = G.float()
+        assert G.stride(1) == 1
+        self.features = n = G.shape[0]
+        # [column block, row block, half of 16 columns, row pair, column, row of the pair]
+        self.GV = torch.empty(n // 32, n // 32, 2, 16, 16, 2, dtype=torch.bfloat16)
+        blocks, threads = n // 32, torch.get_num_threads()
+        cuts = [round(blocks * (t / threads) ** 0.5) for t in range(threads + 1)]  # column block jb has jb + 1
+        cpu_parallel([functools.partial(library()[0].ptq_gram_quadratic_pack, G.data_ptr(), n, G.stride(0), a, b,
+                                        self.GV.data_ptr()) for a, b in zip(cuts, cuts[1:]) if b > a], threads)
+
+    def of(self, D: Tensor) -> float:
+        assert D.dtype == torch.bfloat16 and D.is_contiguous() and D.dim() == 2 and D.shape[1] == self.features
+        assert D.shape[0] % 32 == 0
+        return library()[0].ptq_gram_quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

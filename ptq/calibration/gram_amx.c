@@ -71,6 +71,14 @@ __attribute__((target("avx512f"))) static void transpose16(__m512i r[16]) {
     }
 }
 
+/* x rounded to the nearest bf16 (ties to even), as float32 */
+__attribute__((target("avx512f"))) static inline __m512 bf16_round(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* X [T, n] -> XV and XT (see the header) for the feature blocks [f0, f1) of 16; n a
    multiple of 16, Tp of 32, T <= Tp; the buffers hold `stride` tiles per feature block */
 __attribute__((target("avx512f,avx2"))) void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp,
@@ -153,6 +161,92 @@ __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *X
     _tile_release();
 }
 
+/* G [n, n] (float32, row stride ld) -> GV for ptq_gram_quadratic: its 32 x 32 blocks on and
+   above the diagonal (row block kb <= column block jb) rounded to bf16 (to nearest even),
+   those above the diagonal doubled (exact); column blocks [jb0, jb1) only (callers may
+   split them across threads); the blocks below the diagonal are not written */
+__attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, int64_t n, int64_t ld, int64_t jb0,
+                                                                int64_t jb1, uint16_t *GV) {
+    const int64_t blocks = n / 32;
+    for (int64_t jb = jb0; jb < jb1; jb++)
+        for (int64_t kb = 0; kb <= jb; kb++) {
+            uint16_t *tile = GV + (jb * blocks + kb) * 2 * TILE; /* [half][pair][16][2] */
+            const __m512 factor = _mm512_set1_ps(kb < jb ? 2.0f : 1.0f);
+            for (int64_t h = 0; h < 2; h++)
+                for (int64_t p = 0; p < 16; p++) {
+                    const float *g0 = G + (kb * 32 + 2 * p) * ld + jb * 32 + h * 16, *g1 = g0 + ld;
+                    /* bf16 of each, to nearest even, then doubled: pairs of rows interleaved */
+                    const __m512i b0 = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(
+                        bf16_round(_mm512_loadu_ps(g0)), factor)), 16);
+                    const __m512i b1 = _mm512_slli_epi32(_mm512_castps_si512(_mm512_mul_ps(
+                        bf16_round(_mm512_loadu_ps(g1)), factor)), 0);
+                    const __m512i pairs = _mm512_or_si512(b0, _mm512_and_si512(b1, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    _mm512_storeu_si512((void *)(tile + h * TILE + p * 32), pairs);
+                }
+        }
+}
+
+/* Σ_r d_r G d_rᵀ over the rows of D [rows, in] (bf16; rows a multiple of 32, in of 32):
+   AWQ's Gram loss of one candidate (ptq/algorithms/awq.py, make_linear_loss), with G
+   given as GV, the B tiles of its blocks of 32 x 32 on and above the diagonal, those
+   above it doubled (compiled.QuadraticForm): GV [in/32 column blocks][in/32 row blocks]
+   [2 halves of 16 columns][16 row pairs][16][2]. Each 32 x 32 block of D·G' is summed in
+   float32 tiles, multiplied by D's block and summed in float32, then added in float64, in
+   a fixed order. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(const uint16_t *D, int64_t rows,
+                                                                               int64_t in, const uint16_t *GV) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    const int64_t blocks = in / 32, row_bytes = in * 2;
+    double total = 0;
+    float C[32][32];
+    for (int64_t r = 0; r < rows; r += 32) {
+        const uint16_t *d0 = D + r * in, *d1 = d0 + 16 * in;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t jb = 0; jb < blocks; jb++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            const uint16_t *g = GV + jb * blocks * 2 * TILE;
+            for (int64_t kb = 0; kb <= jb; kb++) {
+                _tile_loadd(4, d0 + kb * 32, row_bytes);
+                _tile_loadd(5, d1 + kb * 32, row_bytes);
+                _tile_loadd(6, g + kb * 2 * TILE, 64);
+                _tile_loadd(7, g + kb * 2 * TILE + TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, &C[0][0], 128);
+            _tile_stored(1, &C[0][16], 128);
+            _tile_stored(2, &C[16][0], 128);
+            _tile_stored(3, &C[16][16], 128);
+            for (int m = 0; m < 32; m++) { /* C's rows times D's, bf16 widened to float32 */
+                const __m512i d = _mm512_loadu_si512((const void *)(D + (r + m) * in + jb * 32)); /* 32 bf16 */
+                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(d)), 16));
+                const __m512 hi = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(d, 1)), 16));
+                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(C[m]), lo));
+                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(C[m] + 16), hi));
+            }
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, sum);
+        for (int l = 0; l < 16; l++)
+            total += lanes[l];
+    }
+    _tile_release();
+    return total;
+}
+
 #else /* no AMX here: the observer keeps its oneDNN GEMMs */
 
 int ptq_amx_available(void) { return 0; }
@@ -165,6 +259,15 @@ void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp, int64_t
 void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp, int64_t stride, int64_t n, int64_t i0,
                   int64_t i1, int64_t j0, float *sum, int64_t ld) {
     (void)XV, (void)XT, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld;
+}
+
+double ptq_gram_quadratic(const uint16_t *D, int64_t rows, int64_t in, const uint16_t *GV) {
+    (void)D, (void)rows, (void)in, (void)GV;
+    return 0;
+}
+
+void ptq_gram_quadratic_pack(const float *G, int64_t n, int64_t ld, int64_t jb0, int64_t jb1, uint16_t *GV) {
+    (void)G, (void)n, (void)ld, (void)jb0, (void)jb1, (void)GV;
 }
 
 #endif
