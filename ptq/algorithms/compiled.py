@@ -1,11 +1,15 @@
 """ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
-gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here) and int32 packing
-(ptq/packing.c, driven from ptq.packing). One library, built
-at install when a C compiler is there (setup.py); without one ptq installs all the same,
-runs the torch references, and the report says so.
+gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packing
+(ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
+(ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm).
+One library, built at install when a C compiler is there (setup.py); without one ptq
+installs all the same, runs the torch references, and the report says so.
 
-The C code does the float32 steps of the torch references (no fused multiply-adds, sums
-in a fixed order), so its bits do not depend on the CPU or on how threads share the work.
+The loops do the float32 steps of the torch references (no fused multiply-adds formed by
+the compiler, sums in a fixed order), so their bits do not depend on the CPU or on how
+threads share the work. The AMX sums run only where the CPU has AMX; they are float32
+sums in another order than the oneDNN GEMMs used elsewhere, so a checkpoint made with
+them may differ in the last bits from one made on a CPU without AMX.
 """
 
 from __future__ import annotations
@@ -115,8 +119,8 @@ def dot(a: Tensor, b: Tensor) -> float:
 
 
 def amx() -> bool:
-    """Whether Hessians of bf16 inputs can run on AMX tiles here (gram_amx.c): the library
-    is built, the CPU has AMX-BF16 and the OS granted this process its tile state."""
+    """Whether sums of bf16 products can run on AMX tiles here (gram_amx.c): the library is
+    built, the CPU has AMX-BF16 and the OS granted this process its tile state."""
     lib = library()[0]
     return lib is not None and _amx_granted(lib)
 
