@@ -61,7 +61,7 @@ class HessianObserver(Observer):
     BLOCK = 256
     TILE_PIECES = 2  # on AMX tiles: blocks of rows per thread, of about equal work
     PENDING_TOKENS = 2048  # on a CPU, tokens gathered before the GEMMs run (fewer, longer ones)
-    PENDING_BYTES = 64 * 2**20  # at most, for wide inputs
+    PENDING_BYTES = 64 * 2**20  # at most, for wide inputs (with the AMX tiles' buffers)
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
@@ -111,8 +111,10 @@ class HessianObserver(Observer):
             self._flush()  # batches of another dtype: summed in their own mode
             self._pending = self._tiles = None
         if self._pending is None:  # copies, not references: a caller may reuse x's memory
-            cap = max(1, min(self.PENDING_TOKENS, self.PENDING_BYTES // (4 * flat.shape[1])))
             self._amx = flat.dtype == torch.bfloat16 and flat.shape[1] % 32 == 0 and compiled.amx()
+            # bytes per token held: float32 inputs, or bf16 inputs and their two tile layouts
+            held = (6 if self._amx else 4) * flat.shape[1]
+            cap = max(1, min(self.PENDING_TOKENS, self.PENDING_BYTES // held))
             self._pending = torch.empty(cap, flat.shape[1], dtype=torch.bfloat16 if self._amx else torch.float32)
             self._bf16_values = _bf16_valued(flat)
             self._modes = (flat.dtype == torch.bfloat16, flat.shape[1])

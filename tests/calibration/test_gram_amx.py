@@ -105,3 +105,17 @@ def test_the_report_names_how_bf16_hessians_were_summed(monkeypatch):
     assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "AMX tiles (compiled)"
     monkeypatch.setattr(compiled, "amx", lambda: False)
     assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "oneDNN GEMMs"
+
+
+def test_inputs_and_tiles_held_stay_within_pending_bytes(monkeypatch):
+    # 6 bytes per token and feature on the AMX path (bf16 inputs and their two layouts),
+    # against 4 (float32 inputs) elsewhere: fewer tokens per flush, the same memory
+    monkeypatch.setattr(HessianObserver, "PENDING_BYTES", 6 * 64 * 100)
+    x = _inputs(250, 64, seed=7)
+    observer = HessianObserver()
+    observer.update(x)  # flushes 100 and 100 tokens, keeps 50
+    assert observer._pending.shape[0] == 100
+    held = observer._pending.numel() * 2 + observer._tiles.XV.numel() * 2 + observer._tiles.XT.numel() * 2
+    assert held <= HessianObserver.PENDING_BYTES + 2 * 2 * 28 * 64  # tiles round 100 tokens up to 128
+    exact = 2 * x.double().t() @ x.double() / 250
+    assert float((observer.value.double() - exact).abs().max() / exact.abs().max()) < 1e-6
