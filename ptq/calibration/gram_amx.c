@@ -1,5 +1,6 @@
-/* Hessians Σ x xᵀ of bf16 inputs on a CPU with AMX (Intel's tile multiply: bf16 products
-   summed in float32 tiles), compiled.
+/* Sums of bf16 products on a CPU with AMX (Intel's tile multiply: bf16 products summed in
+   float32 tiles), compiled: Hessians Σ x xᵀ of bf16 inputs, and AWQ's Gram loss Σ d G dᵀ
+   (ptq_gram_quadratic, at the end).
 
    The torch reference is ptq/calibration/observers.py (HessianObserver): there the sum
    runs as oneDNN GEMMs of the inputs converted to float32 and multiplied in bf16, which
@@ -131,33 +132,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *X
     int64_t panel = PANEL_BYTES / (Tp * 2) / 32 * 32; /* columns whose B tiles stay in the L2 cache */
     panel = panel < 32 ? 32 : panel;
     for (int64_t p0 = j0; p0 < n; p0 += panel)
-    for (int64_t i = i0; i < i1; i += 32)
-        for (int64_t k0 = 0; k0 < tiles; k0 += CHUNK) {
-            const int64_t k1 = k0 + CHUNK < tiles ? k0 + CHUNK : tiles;
-            const uint16_t *a0 = XT + (i / 16) * stride * TILE, *a1 = a0 + stride * TILE;
-            for (int64_t j = p0 > i ? p0 : i; j < n && j < p0 + panel; j += 32) { /* on and above the diagonal */
-                const uint16_t *b0 = XV + (j / 16) * stride * TILE, *b1 = b0 + stride * TILE;
-                float *c = sum + i * ld + j;
-                _tile_loadd(0, c, row_bytes);
-                _tile_loadd(1, c + 16, row_bytes);
-                _tile_loadd(2, c + 16 * ld, row_bytes);
-                _tile_loadd(3, c + 16 * ld + 16, row_bytes);
-                for (int64_t k = k0; k < k1; k++) {
-                    _tile_loadd(4, a0 + k * TILE, 64);
-                    _tile_loadd(5, a1 + k * TILE, 64);
-                    _tile_loadd(6, b0 + k * TILE, 64);
-                    _tile_loadd(7, b1 + k * TILE, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+        for (int64_t i = i0; i < i1; i += 32)
+            for (int64_t k0 = 0; k0 < tiles; k0 += CHUNK) {
+                const int64_t k1 = k0 + CHUNK < tiles ? k0 + CHUNK : tiles;
+                const uint16_t *a0 = XT + (i / 16) * stride * TILE, *a1 = a0 + stride * TILE;
+                for (int64_t j = p0 > i ? p0 : i; j < n && j < p0 + panel; j += 32) { /* on and above the diagonal */
+                    const uint16_t *b0 = XV + (j / 16) * stride * TILE, *b1 = b0 + stride * TILE;
+                    float *c = sum + i * ld + j;
+                    _tile_loadd(0, c, row_bytes);
+                    _tile_loadd(1, c + 16, row_bytes);
+                    _tile_loadd(2, c + 16 * ld, row_bytes);
+                    _tile_loadd(3, c + 16 * ld + 16, row_bytes);
+                    for (int64_t k = k0; k < k1; k++) {
+                        _tile_loadd(4, a0 + k * TILE, 64);
+                        _tile_loadd(5, a1 + k * TILE, 64);
+                        _tile_loadd(6, b0 + k * TILE, 64);
+                        _tile_loadd(7, b1 + k * TILE, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, c, row_bytes);
+                    _tile_stored(1, c + 16, row_bytes);
+                    _tile_stored(2, c + 16 * ld, row_bytes);
+                    _tile_stored(3, c + 16 * ld + 16, row_bytes);
                 }
-                _tile_stored(0, c, row_bytes);
-                _tile_stored(1, c + 16, row_bytes);
-                _tile_stored(2, c + 16 * ld, row_bytes);
-                _tile_stored(3, c + 16 * ld + 16, row_bytes);
             }
-        }
     _tile_release();
 }
 
@@ -176,11 +177,10 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
                 for (int64_t p = 0; p < 16; p++) {
                     const float *g0 = G + (kb * 32 + 2 * p) * ld + jb * 32 + h * 16, *g1 = g0 + ld;
                     /* bf16 of each, to nearest even, then doubled: pairs of rows interleaved */
-                    const __m512i b0 = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(
-                        bf16_round(_mm512_loadu_ps(g0)), factor)), 16);
-                    const __m512i b1 = _mm512_slli_epi32(_mm512_castps_si512(_mm512_mul_ps(
-                        bf16_round(_mm512_loadu_ps(g1)), factor)), 0);
-                    const __m512i pairs = _mm512_or_si512(b0, _mm512_and_si512(b1, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    const __m512i b0 = _mm512_castps_si512(_mm512_mul_ps(bf16_round(_mm512_loadu_ps(g0)), factor));
+                    const __m512i b1 = _mm512_castps_si512(_mm512_mul_ps(bf16_round(_mm512_loadu_ps(g1)), factor));
+                    /* the even row's bf16 in the low half of each 32 bits, the odd row's in the high */
+                    const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(b0, 16), b1);
                     _mm512_storeu_si512((void *)(tile + h * TILE + p * 32), pairs);
                 }
         }
@@ -191,8 +191,8 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
    given as GV, the B tiles of its blocks of 32 x 32 on and above the diagonal, those
    above it doubled (compiled.QuadraticForm): GV [in/32 column blocks][in/32 row blocks]
    [2 halves of 16 columns][16 row pairs][16][2]. Each 32 x 32 block of D·G' is summed in
-   float32 tiles, multiplied by D's block and summed in float32, then added in float64, in
-   a fixed order. */
+   float32 tiles and multiplied by D's block; the products of 32 rows are summed in float32
+   lanes, then in float64, in a fixed order. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(const uint16_t *D, int64_t rows,
                                                                                int64_t in, const uint16_t *GV) {
     TileConfig config;
@@ -247,7 +247,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
     return total;
 }
 
-#else /* no AMX here: the observer keeps its oneDNN GEMMs */
+#else /* no AMX here (ptq_amx_available says so): ptq keeps its GEMMs */
 
 int ptq_amx_available(void) { return 0; }
 
