@@ -4,7 +4,16 @@ AMX), built when a C compiler is there; without one ptq installs all the same an
 torch references (the report says so).
 Everything else about the package is in pyproject.toml."""
 
+import importlib.util
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("ptq_sources", HERE / "ptq" / "_sources.py")
+_sources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_sources)
+DIGEST = _sources.source_digest(HERE / "ptq") or ""
 
 setup(
     ext_modules=[
@@ -13,6 +22,7 @@ setup(
             sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
                      "ptq/calibration/gram_amx.c"],
             depends=["ptq/algorithms/quant_math.h"],
+            define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)
             extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11"],
             optional=True,

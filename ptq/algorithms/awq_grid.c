@@ -315,3 +315,9 @@ double ptq_awq_dot(const void *a, const void *b, int64_t n, int32_t kind) {
 
 /* the arguments' version of this library's functions (PTQ_COMPILED_ABI) */
 int ptq_compiled_abi(void) { return PTQ_COMPILED_ABI; }
+
+#ifndef PTQ_SOURCE_DIGEST
+#define PTQ_SOURCE_DIGEST "" /* built without setup.py: not checked */
+#endif
+/* the digest of the C sources this library was built from (ptq/_sources.py) */
+const char *ptq_compiled_source(void) { return PTQ_SOURCE_DIGEST; }

@@ -17,10 +17,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ptq._sources import source_digest
 from ptq.devices import cpu_parallel
 from ptq.schemes import QuantArgs
 
@@ -41,6 +43,11 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"ptq's compiled loops do not load: {error}"
     if not hasattr(lib, "ptq_compiled_abi") or lib.ptq_compiled_abi() != ABI:
         return None, f"ptq's compiled loops at {spec.origin} were built for another version: reinstall ptq"
+    lib.ptq_compiled_source.restype = ctypes.c_char_p
+    built, here = lib.ptq_compiled_source().decode(), source_digest(Path(__file__).parents[1])
+    if built and here and built != here:
+        return None, (f"ptq's compiled loops at {spec.origin} were built from other C sources than the ones "
+                      "beside it (changed since, or a rebuild failed): reinstall ptq (pip install -e .)")
     lib.ptq_gptq_block.restype = ctypes.c_int
     lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
         _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F,

@@ -193,3 +193,41 @@ def test_a_library_built_for_other_arguments_is_refused(monkeypatch):
         assert lib is None and "built for another version: reinstall ptq" in why
     finally:
         compiled.library.cache_clear()  # the next call loads it afresh, with the right ABI
+
+
+def test_a_library_built_from_other_sources_is_refused(monkeypatch, tmp_path):
+    """An editable install whose C code changed since the build (or whose rebuild failed,
+    leaving the old library) must not be called: its functions may take other arguments."""
+    from pathlib import Path
+
+    from ptq._sources import source_digest
+
+    package = Path(compiled.__file__).parents[1]
+    here = source_digest(package)
+    if here is None:
+        pytest.skip("ptq is installed without its C sources: nothing to compare")
+    compiled.library.cache_clear()
+    try:
+        lib, why = compiled.library()
+        assert why is None and lib.ptq_compiled_source().decode() == here  # built from these sources
+        compiled.library.cache_clear()
+        monkeypatch.setattr(compiled, "source_digest", lambda _package: "0" * 16)
+        lib, why = compiled.library()
+        assert lib is None and "built from other C sources" in why and "pip install -e ." in why
+    finally:
+        compiled.library.cache_clear()
+
+
+def test_the_source_digest_follows_every_c_file(tmp_path):
+    from ptq._sources import source_digest
+
+    assert source_digest(tmp_path) is None
+    (tmp_path / "a.c").write_text("int a;\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.h").write_text("int b;\n")
+    (tmp_path / "c.py").write_text("x = 1\n")
+    first = source_digest(tmp_path)
+    (tmp_path / "c.py").write_text("x = 2\n")  # not a C source
+    assert source_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.h").write_text("int b2;\n")
+    assert source_digest(tmp_path) != first
