@@ -119,17 +119,7 @@ static void candidate_rows(int64_t r0, int64_t r1, const float *W, int64_t in, c
 }
 
 /* ---- The AVX-512 path: the portable loop's float32 steps, 16 columns at a time. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-#define AVX512 __attribute__((target("avx512f")))
-#define HAS_AVX512 1
-
-AVX512 static inline __m512 to_bf16_v(__m512 x) { /* to_bf16, lane by lane */
-    __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
+#if HAS_AVX512 /* (quant_math.h) */
 
 AVX512 static inline __m512 to_scale_dtype_v(__m512 x, int kind) {
     if (kind == SCALE_BF16)
@@ -247,8 +237,6 @@ AVX512 static int reciprocals(const float *s, float *rs, int64_t n) {
     }
     return outside == 0;
 }
-#else
-#define HAS_AVX512 0
 #endif
 
 /* Candidate weights of rows [r0, r1) of W [rows, in] (float32) for the candidate scales

@@ -50,6 +50,22 @@ static inline float to_scale_dtype(float x, int kind) {
     return x;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f")))
+#define HAS_AVX512 1
+
+/* to_bf16, 16 lanes at a time (for code on the AVX-512 paths) */
+AVX512 static inline __m512 to_bf16_v(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+#else
+#define HAS_AVX512 0
+#endif
+
 /* the smallest normal value of the scale dtype (torch.finfo(dtype).tiny) */
 static inline float tiny_of(int kind) { return kind == SCALE_F16 ? 6.103515625e-05f : 1.17549435e-38f; }
 

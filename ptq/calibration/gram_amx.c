@@ -26,9 +26,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../algorithms/quant_math.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -72,14 +73,6 @@ __attribute__((target("avx512f"))) static void transpose16(__m512i r[16]) {
     }
 }
 
-/* x rounded to the nearest bf16 (ties to even), as float32 */
-__attribute__((target("avx512f"))) static inline __m512 bf16_round(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
 /* X [T, n] -> XV and XT (see the header) for the feature blocks [f0, f1) of 16; n a
    multiple of 16, Tp of 32, T <= Tp; the buffers hold `stride` tiles per feature block */
 __attribute__((target("avx512f,avx2"))) void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp,
@@ -114,20 +107,25 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+/* this thread's tiles 0-7 as 16 rows of 64 bytes each (0-3: sums, 4-5: A, 6-7: B) */
+__attribute__((target("amx-tile"))) static void configure_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
 /* sum[i0:i1, j0:n] += XᵀX from the packed tiles of Tp tokens (`stride` tiles per feature
    block in the buffers), in blocks of 32 x 32 on and above the diagonal only; i0, i1, j0
    and n multiples of 32; sum float32 with row stride ld */
 __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp,
                                                                int64_t stride, int64_t n, int64_t i0, int64_t i1,
                                                                int64_t j0, float *sum, int64_t ld) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) { /* 0-3: sums, 4-5: A, 6-7: B; 16 rows of 64 bytes each */
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    configure_tiles();
     const int64_t tiles = Tp / 32, row_bytes = ld * (int64_t)sizeof(float);
     int64_t panel = PANEL_BYTES / (Tp * 2) / 32 * 32; /* columns whose B tiles stay in the L2 cache */
     panel = panel < 32 ? 32 : panel;
@@ -177,8 +175,8 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
                 for (int64_t p = 0; p < 16; p++) {
                     const float *g0 = G + (kb * 32 + 2 * p) * ld + jb * 32 + h * 16, *g1 = g0 + ld;
                     /* bf16 of each, to nearest even, then doubled: pairs of rows interleaved */
-                    const __m512i b0 = _mm512_castps_si512(_mm512_mul_ps(bf16_round(_mm512_loadu_ps(g0)), factor));
-                    const __m512i b1 = _mm512_castps_si512(_mm512_mul_ps(bf16_round(_mm512_loadu_ps(g1)), factor));
+                    const __m512i b0 = _mm512_castps_si512(_mm512_mul_ps(to_bf16_v(_mm512_loadu_ps(g0)), factor));
+                    const __m512i b1 = _mm512_castps_si512(_mm512_mul_ps(to_bf16_v(_mm512_loadu_ps(g1)), factor));
                     /* the even row's bf16 in the low half of each 32 bits, the odd row's in the high */
                     const __m512i pairs = _mm512_or_si512(_mm512_srli_epi32(b0, 16), b1);
                     _mm512_storeu_si512((void *)(tile + h * TILE + p * 32), pairs);
@@ -195,14 +193,7 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
    lanes, then in float64, in a fixed order. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(const uint16_t *D, int64_t rows,
                                                                                int64_t in, const uint16_t *GV) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    configure_tiles();
     const int64_t blocks = in / 32, row_bytes = in * 2;
     double total = 0;
     float C[32][32];

@@ -127,7 +127,9 @@ class HessianObserver(Observer):
                 self._flush()
 
     def _flush(self) -> None:
-        if self._filled:
+        if self._filled and self._amx:
+            self._accumulate_tiles(self._pending[: self._filled])
+        elif self._filled:
             self._accumulate(self._pending[: self._filled])
         self._filled = 0
 
@@ -136,27 +138,28 @@ class HessianObserver(Observer):
         n = flat.shape[1]
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32, device=flat.device)
-        edges = self.row_blocks(n, tiles=flat.dtype == torch.bfloat16)  # bf16 on a CPU: self._amx
+        edges = self.row_blocks(n)
         rows = [functools.partial(self._add_rows, flat, a, b) for a, b in zip(edges, edges[1:])]
         if flat.device.type != "cpu":
             for add in rows:
                 add()
             return
-        if flat.dtype == torch.bfloat16:  # the AMX path (self._amx)
-            self._accumulate_tiles(flat, edges)
-            return
         with float32_gemms("bf16" if self._bf16_values else "ieee"):
             cpu_parallel(rows, torch.get_num_threads())
 
-    def _accumulate_tiles(self, flat: Tensor, edges: list[int]) -> None:
+    def _accumulate_tiles(self, flat: Tensor) -> None:
         """sum += flatᵀ flat for flat [tokens, in] bf16 on AMX tiles (compiled.GramTiles):
         the tokens laid out as tiles, feature blocks split across the threads, then each
         row of blocks on one thread, as in _add_rows."""
+        n = flat.shape[1]
+        if self.sum is None:
+            self.sum = torch.zeros(n, n, dtype=torch.float32)
+        edges = self.row_blocks(n, tiles=True)
         if self._tiles is None:  # kept for the next chunks: no fresh pages to fault in each time
-            self._tiles = compiled.GramTiles(self._pending.shape[0], flat.shape[1])
+            self._tiles = compiled.GramTiles(self._pending.shape[0], n)
         tiles, threads = self._tiles, torch.get_num_threads()
         tiles.load(flat)
-        blocks = flat.shape[1] // 16
+        blocks = n // 16
         cuts = [blocks * t // threads for t in range(threads + 1)]
         cpu_parallel([functools.partial(tiles.pack, a, b) for a, b in zip(cuts, cuts[1:]) if b > a], threads)
         cpu_parallel([functools.partial(tiles.gram_rows, self.sum, a, b) for a, b in zip(edges, edges[1:])], threads)
