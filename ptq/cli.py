@@ -212,7 +212,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         check_stream(args, source, recipe)
     eval_texts = None if args.no_eval else load_texts(args.eval_text)
     if launched():  # torchrun / accelerate launch: each process calibrates its share of the samples
-        check_processes(args, recipe)
+        check_processes(args, recipe, device)
         device = distributed.start(device)
         if not distributed.is_main():  # rank 0 evaluates and writes; the others only calibrate
             quantize_as_helper(args, recipe, location, device)

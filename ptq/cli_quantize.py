@@ -83,7 +83,7 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
     return names, before, after, quality, report, kv_quality
 
 
-def check_processes(args, recipe) -> None:
+def check_processes(args, recipe, device) -> None:
     """What multi-process calibration (torchrun, accelerate launch) cannot do yet, before any work."""
     from ptq.pipeline import check_samples_for, uses_calibration_data
 
@@ -94,7 +94,8 @@ def check_processes(args, recipe) -> None:
     if not uses_calibration_data(recipe):
         raise PtqError("this recipe uses no calibration data, so several processes have nothing to share; "
                        "run one process")
-    check_samples_for(int(os.environ["WORLD_SIZE"]), recipe.calibration.samples)  # said once, before they start
+    cal = recipe.calibration
+    check_samples_for(int(os.environ["WORLD_SIZE"]), cal.samples, cal.seq_len, device)  # said once, before they start
 
 
 def quantize_as_helper(args, recipe, location, device) -> None:

@@ -26,7 +26,7 @@ from ptq.arch import check_linear_layers, check_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.resume import BlockStore, restore_blocks
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
-from ptq.calibration.runner import BATCH_SIZE, BlockRun, BlockWeights, Inputs, run_blocks
+from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, batch_size_for, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage
 from ptq.devices import compute_dtype_for, cpu_settings
@@ -155,6 +155,7 @@ def quantize(
             check_mappings(model, transform.mappings, transform.step_name)
         check_experts_scheme(model, linears, step)
         planned = coverage(model, {f"{name}.weight" for name in linears}, step.ignore)
+    batch_size = None
     if uses_calibration_data(recipe):  # before touching the model: bad data must leave it as it was
         cal = recipe.calibration
         batches = calibration_batches(
@@ -163,7 +164,8 @@ def quantize(
             messages_column=cal.messages_column,
             split=cal.split, config_name=cal.config_name, vocab_size=model.get_input_embeddings().num_embeddings,
         )
-        batches = _own_share(batches, model, store, weights)
+        batch_size = batch_size_for(*batches.shape, device)  # of all the samples, in every process
+        batches = _own_share(batches, model, store, weights, device)
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
                                 device.type, coverage=planned)
@@ -193,14 +195,15 @@ def quantize(
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if step is not None and weights_use_calibration(recipe):
-        _quantize_with_calibration(model, linears, recipe, batches, device, report, show_progress, store, weights)
+        _quantize_with_calibration(model, linears, recipe, batches, batch_size, device, report, show_progress, store,
+                                   weights)
     elif step is not None and weights is not None:
         _quantize_rtn_streamed(model, linears, step, report, weights, find_blocks(model)[0])
     elif step is not None:
         _quantize_rtn(model, linears, step, report)
     if kv is not None:
         kv_start = time.perf_counter()
-        state = calibrate_kv(model, batches if kv.static else None, kv, device=device,
+        state = calibrate_kv(model, batches if kv.static else None, kv, device=device, batch_size=batch_size,
                              scale_dtype=checkpoint_dtype, show_progress=show_progress)
         report.add_time("KV cache calibration", time.perf_counter() - kv_start)
         use_kv_cache(model, state)
@@ -210,27 +213,29 @@ def quantize(
     return model
 
 
-def check_samples_for(processes: int, samples: int) -> None:
+def check_samples_for(processes: int, samples: int, seq_len: int, device: torch.device | str) -> None:
     """Every process needs at least one batch of calibration samples."""
-    if samples < processes * BATCH_SIZE:
+    batch = batch_size_for(samples, seq_len, device)
+    if samples < processes * batch:
         raise PtqError(f"{samples} calibration samples are too few for {processes} processes: each needs a "
-                       f"batch of {BATCH_SIZE}; set calibration.samples to {processes * BATCH_SIZE} or more")
+                       f"batch of {batch}; set calibration.samples to {processes * batch} or more")
 
 
-def _own_share(batches: torch.Tensor, model: nn.Module, store, weights) -> torch.Tensor:
+def _own_share(batches: torch.Tensor, model: nn.Module, store, weights, device: torch.device) -> torch.Tensor:
     """With several processes (ptq.distributed): this rank's slice of the calibration
-    samples, in whole batches; what multi-process calibration cannot do yet is refused."""
+    samples, in whole batches (batch_size_for's, of all the samples); what multi-process
+    calibration cannot do yet is refused."""
     size = world_size()
     if size == 1:
         return batches
-    check_samples_for(size, batches.shape[0])
+    check_samples_for(size, *batches.shape, device)
     if any(moe.has_experts(block) for block in find_blocks(model)[1]):
         raise PtqError("multi-process calibration does not combine the statistics of routed experts yet; "
                        "quantize MoE models in one process")
     if store is not None or weights is not None:
         raise PtqError("multi-process calibration neither keeps blocks for --resume nor streams weights yet; "
                        "run one process for those")
-    share = sample_share(batches.shape[0], BATCH_SIZE)
+    share = sample_share(batches.shape[0], batch_size_for(*batches.shape, device))
     return batches[share.start:share.stop]
 
 
@@ -358,7 +363,8 @@ def _quantize_unrouted(model: nn.Module, run: BlockRun, linears: dict[str, nn.Li
 
 
 def _quantize_with_calibration(
-    model, linears, recipe: Recipe, batches, device, report, show_progress, store: BlockStore | None = None,
+    model, linears, recipe: Recipe, batches, batch_size: int, device, report, show_progress,
+    store: BlockStore | None = None,
     weights: BlockWeights | None = None,
 ) -> None:
     step, cal = recipe.weight_step, recipe.calibration
@@ -458,7 +464,7 @@ def _quantize_with_calibration(
         notes_seen = len(report.notes)
         store.save_block(index, block, record, hidden)
 
-    run_blocks(model, blocks_path, batches, process, device=device, propagate=cal.propagate,
+    run_blocks(model, blocks_path, batches, process, device=device, batch_size=batch_size, propagate=cal.propagate,
                show_progress=show_progress, block_done=block_done if store else None, weights=weights,
                notes=report.notes, **resumed)
 

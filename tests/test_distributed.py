@@ -196,11 +196,11 @@ def test_what_several_processes_cannot_do_is_refused_in_one_line(tmp_path, extra
 def test_too_few_samples_for_the_processes_is_refused(tmp_path):
     steps = [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]
     recipe = tmp_path / "few.yaml"
-    recipe.write_text(json.dumps({"calibration": {**SMALL, "samples": 2}, "steps": steps}))
+    recipe.write_text(json.dumps({"calibration": {**SMALL, "samples": 1}, "steps": steps}))
     result = _quantize(recipe, tmp_path / "out", 2)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("ptq: error:")]
-    assert len(errors) == 1 and "2 calibration samples are too few for 2 processes" in errors[0], result.stderr
+    assert len(errors) == 1 and "1 calibration samples are too few for 2 processes" in errors[0], result.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -119,19 +119,29 @@ class HessianObserver(Observer):
             self._bf16_values = _bf16_valued(flat)
             self._modes = (flat.dtype == torch.bfloat16, flat.shape[1])
         cap, start = self._pending.shape[0], 0
+        direct = flat.dtype == self._pending.dtype and flat.stride(1) == 1
         while start < flat.shape[0]:
             take = min(cap - self._filled, flat.shape[0] - start)
-            self._pending[self._filled:self._filled + take] = flat[start:start + take]
-            self._filled, start = self._filled + take, start + take
-            if self._filled == cap:
-                self._flush()
+            if direct and take == cap:  # a whole chunk (none pending): summed where it is, not copied
+                self._sum(flat[start:start + take])
+            else:
+                self._pending[self._filled:self._filled + take] = flat[start:start + take]
+                self._filled += take
+                if self._filled == cap:
+                    self._flush()
+            start += take
 
     def _flush(self) -> None:
-        if self._filled and self._amx:
-            self._accumulate_tiles(self._pending[: self._filled])
-        elif self._filled:
-            self._accumulate(self._pending[: self._filled])
+        if self._filled:
+            self._sum(self._pending[: self._filled])
         self._filled = 0
+
+    def _sum(self, chunk: Tensor) -> None:
+        """sum += chunkᵀ chunk, chunk [tokens, in] in the pending buffer's dtype."""
+        if self._amx:
+            self._accumulate_tiles(chunk)
+        else:
+            self._accumulate(chunk)
 
     def _accumulate(self, flat: Tensor) -> None:
         """sum += flatᵀ flat for flat [tokens, in] float32."""

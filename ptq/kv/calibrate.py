@@ -102,8 +102,9 @@ def _cache_argument(block: nn.Module) -> str:
 
 @torch.no_grad()
 def calibrate_kv(model: nn.Module, batches: Tensor, spec: KVCacheScheme, *, device: torch.device,
-                 scale_dtype: torch.dtype, show_progress: bool = True) -> KVState:
-    """Static scales for every layer from the calibration batches (kivi: none needed)."""
+                 scale_dtype: torch.dtype, show_progress: bool = True, batch_size: int | None = None) -> KVState:
+    """Static scales for every layer from the calibration batches (kivi: none needed), run
+    batch_size samples at a time (runner.batch_size_for's by default)."""
     if not spec.static:
         return KVState(spec)
     observer = _RangeObserver()
@@ -118,7 +119,7 @@ def calibrate_kv(model: nn.Module, batches: Tensor, spec: KVCacheScheme, *, devi
             outputs.append(((hidden, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": hidden}))
         return outputs
 
-    run_blocks(model, blocks_path, batches, observe, device=device, show_progress=show_progress)
+    run_blocks(model, blocks_path, batches, observe, device=device, batch_size=batch_size, show_progress=show_progress)
     layers, heads, _ = attention_shape(model.config)
     missing = [i for i in range(layers) if i not in observer.keys]
     if missing:

@@ -8,7 +8,7 @@ from torch import nn
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import float32_gemms
-from ptq.calibration.runner import run_blocks
+from ptq.calibration.runner import batch_size_for, run_blocks
 from ptq.calibration.sequential import execution_stages
 from tests.conftest import tiny_config, tiny_model
 
@@ -139,5 +139,56 @@ def test_stop_at_ends_the_pass_early():
         assert observers["q"].tokens == 32
         assert calls == list(range(run.index))  # the MLP did not run while collecting
 
-    run_blocks(model, path, ids, process, device=torch.device("cpu"), show_progress=False)
+    run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
     assert calls == [0, 1]  # once per block: its outputs pass
+
+
+def test_batches_hold_about_a_fixed_number_of_tokens():
+    assert batch_size_for(32, 256, "cpu") == 8  # 2048 tokens
+    assert batch_size_for(32, 512, "cpu") == 4
+    assert batch_size_for(512, 2048, "cpu") == 1  # at least one sample
+    assert batch_size_for(512, 2048, "cuda") == 2  # 4096 tokens on an accelerator
+    assert batch_size_for(8, 128, "cpu") == 2  # at most a quarter of the samples: batches run side by side
+    assert batch_size_for(3, 16, "cpu") == 1
+
+
+def test_a_resumed_run_takes_inputs_saved_in_other_batches():
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(6))
+    path, blocks = find_blocks(model)
+    seen, hidden = {}, {}
+
+    def keep(index, _block, next_hidden):
+        hidden[index] = next_hidden
+
+    def record(run):
+        seen[run.index] = [args[0].clone() for args, _ in run.inputs]
+
+    run_blocks(model, path, ids, record, device=torch.device("cpu"), batch_size=2, block_done=keep, show_progress=False)
+    assert [len(h) for h in hidden[0]] == [2, 2]
+    resumed = {}
+    run_blocks(model, path, ids, lambda run: resumed.update({run.index: [a[0] for a, _ in run.inputs]}),
+               device=torch.device("cpu"), batch_size=1, start=1, start_hidden=hidden[0], show_progress=False)
+    assert sorted(resumed) == list(range(1, len(blocks)))
+    assert [len(h) for h in resumed[1]] == [1, 1, 1, 1]  # re-split into this run's batches
+    assert torch.equal(torch.cat(resumed[1]), torch.cat(seen[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_whole_chunk_is_summed_where_it_is_with_the_same_bits(dtype, monkeypatch):
+    cap = HessianObserver.PENDING_TOKENS
+    x = torch.randn(2 * cap + 100, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    pieces = HessianObserver()
+    for piece in x.split(100):  # every chunk gathered in the pending buffer
+        pieces.update(piece)
+    whole = HessianObserver()
+    summed = []
+    original = HessianObserver._sum
+    monkeypatch.setattr(HessianObserver, "_sum", lambda self, chunk: summed.append(chunk.data_ptr()) or original(self, chunk))
+    whole.update(x[:cap + 50])  # a whole chunk, then 50 tokens pending
+    whole.update(x[cap + 50:])
+    if dtype == torch.bfloat16 and not whole._amx:
+        assert summed[0] != x.data_ptr()  # bf16 values summed as float32: the pending buffer converts them
+    else:
+        assert summed[0] == x.data_ptr()  # not copied
+    assert torch.equal(whole.value, pieces.value)
