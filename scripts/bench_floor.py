@@ -105,6 +105,31 @@ class Floor:
                 f"inverse {self.inverse:.2f} + column loop {self.loop:.2f} s")
 
 
+def transformers_forward(path, ids: torch.Tensor, repeats: int = 2) -> float:
+    """Seconds of a plain forward pass of the model's decoder (transformers' own code, no
+    hooks, nothing recorded) over the calibration token ids [samples, seq], in the compute
+    dtype ptq picks here, in ptq's calibration batches side by side as its passes run them:
+    best of `repeats`. Beside the floor's forward (the Linears and attention at GEMM rates)
+    it shows what transformers' glue between them costs (norms, rotary, activations,
+    residual adds, copies), which every calibration pass pays and the floor does not count."""
+    import ptq
+    from ptq.calibration.runner import batch_size_for
+    from ptq.devices import compute_dtype_for, map_side_by_side
+
+    model, _ = ptq.load_model(str(path))
+    decoder = getattr(model, "model", model).to(compute_dtype_for("cpu", torch.bfloat16)).eval()
+    batches = ids.split(batch_size_for(ids.shape[0], ids.shape[1], "cpu"))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in map_side_by_side(lambda batch: decoder(input_ids=batch, use_cache=False), batches, "cpu",
+                                      waves=True):
+                pass
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def hessian_macs(n: int, tiles: bool = False) -> float:
     """MACs per token of one Hessian [n, n], blocks on and above the diagonal as ptq
     accumulates them (tiles: on AMX tiles, in smaller blocks)."""

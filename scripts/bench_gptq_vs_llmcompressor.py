@@ -25,7 +25,9 @@ Phases, each printing a table:
    matrices) beside its GPTQ solves on the same model, and llm-compressor's AWQ (which
    on a CPU may raise: its error line is the row);
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
-   here for its kind of operation, against ptq's quantize time;
+   here for its kind of operation, against ptq's quantize time; beside it a plain forward
+   pass in transformers of the same tokens, which shows what the glue between the Linears
+   costs (the floor counts the Linears and attention only);
 4. under load (--load-model): ptq's GPTQ and llm-compressor's (at its faster dtype) with
    one busy process per core beside them (scripts/bench_under_load.busy_cores), each run
    right after a quiet one of the same tool, the slowdown their ratio.
@@ -50,7 +52,7 @@ from pathlib import Path
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
-from bench_floor import Rates, floor_of
+from bench_floor import Rates, floor_of, transformers_forward
 from bench_under_load import busy_cores
 
 HERE = Path(__file__).resolve()
@@ -255,6 +257,11 @@ def floor_table(args, results) -> dict[str, float]:
         ratios[name] = quantize / floor.seconds
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
+        plain = transformers_forward(args.paths[name][0], torch.load(args.paths[name][1], weights_only=True))
+        with_glue = floor.seconds - floor.forward + plain
+        print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
+              f"{plain:.2f} s, {plain / floor.forward:.1f}x the floor's forward; with it in place of the "
+              f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
     print("rates measured, GFLOP/s: " + ", ".join(f"{k[0]}{list(k[1:])} {v:.0f}" for k, v in rates.cache.items()))
     return ratios
 
