@@ -162,26 +162,29 @@ def inverse_lower_(L: Tensor, threads: int) -> bool:
     n = L.shape[0]
     edges = _edges(n, BLOCK)
     blocks = list(zip(edges, edges[1:]))
-    finite = True
+    sums = []  # float64 sums of the blocks of L⁻¹: finite iff every entry is (float32 values cannot overflow them)
+    inverted: dict[int, Tensor] = {}  # X[i, i] of the row blocks done, its zeros above the diagonal written
     for j, (j0, j1) in reversed(list(enumerate(blocks))):
         with cpu_threads(1) if L.device.type == "cpu" else contextlib.nullcontext():
             eye = torch.eye(j1 - j0, dtype=L.dtype, device=L.device)
             D = torch.linalg.solve_triangular(L[j0:j1, j0:j1], eye, upper=False)  # [b, b] lower
+        minus_D = D.neg()
 
         def row(i0: int, i1: int) -> Tensor:  # X[i, j] for row block [i0, i1)
-            diagonal = L[i0:i1, i0:i1].tril() @ L[i0:i1, j0:j1]  # X[i, i] is lower triangular
+            diagonal = inverted[i0] @ L[i0:i1, j0:j1]
             if i0 > j1:
                 diagonal += L[i0:i1, j1:i0] @ L[j1:i0, j0:j1]
-            return diagonal @ D.neg()
+            return diagonal @ minus_D
 
         below = blocks[j + 1:]
         rows = _parallel([functools.partial(row, i0, i1) for i0, i1 in below], L, threads)
         for (i0, i1), X in zip(below, rows):
-            finite = finite and bool(torch.isfinite(X).all())
+            sums.append(X.sum(dtype=torch.float64))
             L[i0:i1, j0:j1] = X
-        finite = finite and bool(torch.isfinite(D).all())
+        sums.append(D.sum(dtype=torch.float64))
         _set_lower_(L[j0:j1, j0:j1], D)
-    return finite
+        inverted[j0] = D.tril()  # D is lower triangular: the zeros solve_triangular wrote above, made sure
+    return bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def _lower_into_upper_(A: Tensor) -> None:

@@ -47,3 +47,16 @@ def test_no_dampening_is_enough():
     H[0, 1] = H[1, 0] = 10.0
     U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
     assert U is None and lam == 1.0 and reason == "Cholesky of the Hessian failed with dampening up to 1"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
+    n = 600  # three blocks, the last partial
+    L = torch.eye(n) + torch.randn(n, n, generator=torch.Generator().manual_seed(1)).tril(-1) * 0.01
+    inverse = L.clone()
+    assert cholesky.inverse_lower_(inverse, threads)
+    expected = torch.linalg.inv(L.double())
+    assert float((inverse.tril().double() - expected).abs().max()) < 1e-5
+    # entries of L⁻¹ that grow as 1000^k overflow float32 within a few rows
+    steep = torch.eye(n) + torch.full((n, n), -1e3).tril(-1)
+    assert not cholesky.inverse_lower_(steep.clone(), threads)
