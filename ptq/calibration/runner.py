@@ -51,7 +51,8 @@ def batch_size_for(samples: int, seq_len: int, device: torch.device | str) -> in
     Fewer, longer passes pay transformers' per-op costs (a few dozen small ops per block
     and batch) less often: on SmolLM2's shapes (30 blocks, 576 features) GPTQ on 32 x 256
     tokens quantized in 9.3 s with 8 samples a batch, 9.8 s with 4 and 10.4 s with 2 (the
-    earlier fixed size); at 512-token samples 2 and 4 a batch took the same time."""
+    earlier fixed size; runs alternated), at 80-120 MB more peak RSS; at 512-token samples
+    2 and 4 a batch took about the same time."""
     tokens = CPU_BATCH_TOKENS if torch.device(device).type == "cpu" else ACCELERATOR_BATCH_TOKENS
     return max(1, min(tokens // seq_len, samples // MIN_BATCHES))
 
@@ -369,8 +370,9 @@ def run_blocks(
 
     To resume, `start` skips the blocks already done and `start_hidden` gives block
     `start` its hidden states, one per batch (re-split where they were saved in other
-    batches; the other arguments are the same for every block and captured anew). block_done(index, block, next hidden states) is called after
-    each block, for a store to keep them.
+    batches; the other arguments are the same for every block and captured anew).
+    block_done(index, block, next hidden states) is called after each block, for a store
+    to keep them.
 
     weights: a model streamed from disk (on the meta device but for what the capture needs):
     each block is loaded before it is processed and handed back after block_done.
