@@ -3,7 +3,8 @@
 Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibration token:
 
 - forward: one pass of the block's Linears (q, k, v, o, gate, up, down) and attention
-  (scores and weighted sum over the whole sequence, as the CPU kernels compute it), in
+  (scores and weighted sum over the whole sequence, as the CPU kernels compute it, at the
+  faster of one GEMM per head and sample and one bmm for a batch's), in
   the compute dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
 - Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
   diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or at
@@ -35,8 +36,12 @@ BLOCK = 128  # GPTQ's block of columns (ptq's and llm-compressor's default)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 3, min_seconds: float = 0.05) -> float:
-    """Best time of one call over `repeats` timings, each long enough to measure."""
-    fn()
+    """Best time of one call over `repeats` timings, each long enough to measure, after as
+    long a warm-up (oneDNN settles on its kernel for a shape over the first calls: a bmm
+    timed after one warm-up call measured 162 GFLOP/s, after more 1060)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         calls, start = 0, time.perf_counter()
@@ -63,6 +68,13 @@ class Rates:
             a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # [m, k], [k, n]
             return lambda: a @ b
         return self._rate(("gemm", m, k, n, dtype), 2 * m * k * n, make)
+
+    def bmm(self, batch: int, m: int, k: int, n: int, dtype: torch.dtype) -> float:
+        """batch GEMMs [m, k] @ [k, n] in one call (attention's heads and samples)."""
+        def make():
+            a, b = torch.randn(batch, m, k).to(dtype), torch.randn(batch, k, n).to(dtype)
+            return lambda: torch.bmm(a, b)
+        return self._rate(("bmm", batch, m, k, n, dtype), 2 * batch * m * k * n, make)
 
     def cholesky(self, n: int) -> float:
         def make():
@@ -149,10 +161,16 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
     tokens = samples * seq
     dtype = compute_dtype_for("cpu", torch.bfloat16)
     m = min(tokens, 2048)  # rows of the GEMMs timed (a few batches' tokens)
+    # attention's products [seq, head] @ [head, seq]: one at a time, or all of a batch's heads
+    # and samples in one bmm, whichever is faster here (on 256-token samples one at a time
+    # measured 137 to 251 GFLOP/s from run to run, the bmm 840 to 900; on 512-token samples
+    # of 64-wide heads the bmm is the slower)
+    attention_rate = max(rates.gemm(seq, head, seq, dtype),
+                         rates.bmm(config.num_attention_heads * max(1, m // seq), seq, head, seq, dtype))
     forward = 2 * tokens * layers * (  # FLOPs at the GEMM rate of each Linear's shape
         h * (q + 2 * kv) / rates.gemm(m, h, q + 2 * kv, dtype) + q * h / rates.gemm(m, q, h, dtype)
         + 2 * h * i / rates.gemm(m, h, 2 * i, dtype) + i * h / rates.gemm(m, i, h, dtype)
-        + 2 * seq * q / rates.gemm(seq, head, seq, dtype))  # scores and weighted sum
+        + 2 * seq * q / attention_rate)  # scores and weighted sum
     flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * seq * q)
 
     def tiles(n: int) -> bool:  # ptq sums bf16 inputs on AMX tiles here
