@@ -85,6 +85,7 @@ def quantize_and_write(args, recipe, location, device, eval_texts, store, slot) 
 
 def check_processes(args, recipe, device) -> None:
     """What multi-process calibration (torchrun, accelerate launch) cannot do yet, before any work."""
+    from ptq.calibration.runner import batch_size_for
     from ptq.pipeline import check_samples_for, uses_calibration_data
 
     if args.resume:
@@ -95,7 +96,8 @@ def check_processes(args, recipe, device) -> None:
         raise PtqError("this recipe uses no calibration data, so several processes have nothing to share; "
                        "run one process")
     cal = recipe.calibration
-    check_samples_for(int(os.environ["WORLD_SIZE"]), cal.samples, cal.seq_len, device)  # said once, before they start
+    batch = batch_size_for(cal.samples, cal.seq_len, device)
+    check_samples_for(int(os.environ["WORLD_SIZE"]), cal.samples, batch)  # said once, before they start
 
 
 def quantize_as_helper(args, recipe, location, device) -> None:

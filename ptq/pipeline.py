@@ -165,7 +165,7 @@ def quantize(
             split=cal.split, config_name=cal.config_name, vocab_size=model.get_input_embeddings().num_embeddings,
         )
         batch_size = batch_size_for(*batches.shape, device)  # of all the samples, in every process
-        batches = _own_share(batches, model, store, weights, device)
+        batches = _own_share(batches, batch_size, model, store, weights)
     checkpoint_dtype = _model_dtype(model)
     report = QuantizationReport(recipe, checkpoint_dtype, dtype or compute_dtype_for(device, checkpoint_dtype),
                                 device.type, coverage=planned)
@@ -213,29 +213,28 @@ def quantize(
     return model
 
 
-def check_samples_for(processes: int, samples: int, seq_len: int, device: torch.device | str) -> None:
-    """Every process needs at least one batch of calibration samples."""
-    batch = batch_size_for(samples, seq_len, device)
+def check_samples_for(processes: int, samples: int, batch: int) -> None:
+    """Every process needs at least one batch (of `batch` samples: runner.batch_size_for's)."""
     if samples < processes * batch:
         raise PtqError(f"{samples} calibration samples are too few for {processes} processes: each needs a "
                        f"batch of {batch}; set calibration.samples to {processes * batch} or more")
 
 
-def _own_share(batches: torch.Tensor, model: nn.Module, store, weights, device: torch.device) -> torch.Tensor:
+def _own_share(batches: torch.Tensor, batch_size: int, model: nn.Module, store, weights) -> torch.Tensor:
     """With several processes (ptq.distributed): this rank's slice of the calibration
-    samples, in whole batches (batch_size_for's, of all the samples); what multi-process
-    calibration cannot do yet is refused."""
+    samples, in whole batches of batch_size (batch_size_for's, of all the samples); what
+    multi-process calibration cannot do yet is refused."""
     size = world_size()
     if size == 1:
         return batches
-    check_samples_for(size, *batches.shape, device)
+    check_samples_for(size, batches.shape[0], batch_size)
     if any(moe.has_experts(block) for block in find_blocks(model)[1]):
         raise PtqError("multi-process calibration does not combine the statistics of routed experts yet; "
                        "quantize MoE models in one process")
     if store is not None or weights is not None:
         raise PtqError("multi-process calibration neither keeps blocks for --resume nor streams weights yet; "
                        "run one process for those")
-    share = sample_share(batches.shape[0], batch_size_for(*batches.shape, device))
+    share = sample_share(batches.shape[0], batch_size)
     return batches[share.start:share.stop]
 
 
