@@ -16,6 +16,7 @@ from ptq.devices import (
     compute_dtype_for,
     cpu_bf16_is_fast,
     cpu_flags,
+    cpu_parallel,
     cpu_settings,
     cpu_threads,
     cpuinfo_flags,
@@ -112,6 +113,43 @@ def test_cpu_threads_sets_and_restores_the_thread_count():
     with pytest.raises(RuntimeError), cpu_threads(1):
         raise RuntimeError("restored on errors too")
     assert torch.get_num_threads() == before
+
+
+def test_cpu_parallel_returns_results_in_order_and_the_caller_takes_tasks_too():
+    import threading
+    import time
+
+    ran_on = []
+
+    def task(i):
+        time.sleep(0.002 * (i % 3))  # uneven tasks: threads take them as they come free
+        ran_on.append(threading.get_ident())
+        return i * i
+
+    results = cpu_parallel([lambda i=i: task(i) for i in range(12)], threads=2)
+    assert results == [i * i for i in range(12)]
+    assert threading.get_ident() in ran_on  # the calling thread is one of the two
+
+
+def test_cpu_parallel_raises_the_first_failure_and_starts_nothing_after_it():
+    started = []
+
+    def task(i):
+        started.append(i)
+        if i in (1, 2):
+            raise ValueError(f"task {i}")
+        return i
+
+    with pytest.raises(ValueError, match="task 1"):  # the first in task order, whichever thread failed first
+        cpu_parallel([lambda i=i: task(i) for i in range(40)], threads=2)
+    assert len(started) < 40
+
+
+def test_cpu_parallel_inside_a_task_does_not_wait_on_the_busy_pool():
+    def outer(i):  # every pool thread is busy here; the inner call runs on its own caller
+        return sum(cpu_parallel([lambda j=j: i * j for j in range(4)], threads=2))
+
+    assert cpu_parallel([lambda i=i: outer(i) for i in range(4)], threads=2) == [6 * i for i in range(4)]
 
 
 # Results do not depend on the CPU thread count (issue "reruns differ": 1 vs 2 threads gave
