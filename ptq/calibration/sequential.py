@@ -17,7 +17,8 @@ inputs produced by the already-quantized stages before it:
   takes their place instead of adding to them; the final pass, which gives the block's
   outputs (the next block's inputs), then runs only the glue;
 - on a CPU, the block's norms that read nothing but the block's own input (Llama's
-  input_layernorm) are computed in the first pass only (_Memo).
+  input_layernorm) are computed in the first pass only, and a norm whose output is a
+  stage's input (post_attention_layernorm) in that stage's pass only (_Memo).
 
 The cost per block is about one forward pass of its Linears and a few passes of the glue
 between them (attention core, norms), instead of two or more full passes.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ class _Batch:
     def __init__(self, device: torch.device):
         self.device = device
         self._local = threading.local()
+        self.last_pass = False  # the block's final pass runs: replays are handed over and forgotten
 
     @property
     def index(self) -> int:
@@ -56,6 +59,16 @@ class _Batch:
         """This thread's pass runs batch `index`, calling the block with args and kwargs."""
         self._local.index = index
         self._local.inputs = {id(t) for t in _tensors((args, kwargs))}
+        self._local.called = set()
+
+    def first_call(self, module: nn.Module) -> bool:
+        """Whether this is module's first call in this thread's pass of its batch (False
+        outside the engine's passes)."""
+        called = getattr(self._local, "called", None)
+        if called is None or id(module) in called:
+            return False
+        called.add(id(module))
+        return True
 
     def from_block_inputs(self, value) -> bool:
         """Whether value's tensors are all among the block call's own (the very objects)."""
@@ -135,28 +148,55 @@ def _plain(value) -> bool:
 
 
 class _Memo(nn.Module):
-    """Stands in for one of the block's norms (see _memoized) through the engine's passes:
-    called on a batch with nothing but the block's own input tensors (the very objects the
-    block was called with) and plain values, it keeps its output, and returns it when a
-    later pass calls it again with the same objects and values, none changed in place since
-    (tensor version counters). Every pass computes Llama's input_layernorm from the block's
-    input: it is computed once per batch instead of five times (RMSNorm's float32 round
-    trips cost about a third of a millisecond per 512 tokens of SmolLM2's width here).
+    """Stands in for one of the block's norms (see _memoized) through the engine's passes,
+    so that a pass does not compute again what an earlier one did, in two ways:
 
-    Nothing is copied, and only outputs that would otherwise be recomputed are kept (about
-    one hidden-sized tensor per batch while the block runs; the first stage keeps the same
-    tensor as its recorded input). Norms of other tensors (post_attention_layernorm, on a
-    residual sum made anew in every pass) are always computed: keeping their inputs to
-    compare would cost two more hidden-sized tensors per batch."""
+    - called on a batch with nothing but the block's own input tensors (the very objects the
+      block was called with) and plain values, it keeps its output, and returns it when a
+      later pass calls it again with the same objects and values, none changed in place
+      since (tensor version counters). Every pass computes Llama's input_layernorm from the
+      block's input: it is computed once per batch instead of five times;
+    - when its output was a stage's recorded input (Llama's post_attention_layernorm's, the
+      gate/up stage's), the engine claims it (claim): the later passes get it back at their
+      first call of the module, unless it was changed in place since. Their norm reads a
+      residual sum made anew in each pass, of the same values: a pass's input to a stage
+      depends only on the block's inputs and the stages before it, whose outputs the later
+      passes replay. In Llama it feeds only gate/up's replays there; it was computed in
+      three passes (about 3 ms per 2048 tokens of SmolLM2's width, one thread, in place).
+
+    Nothing is copied, and only outputs that would otherwise be recomputed are kept: about
+    one hidden-sized tensor per batch while the block runs for each, the first as the q/k/v
+    stage's recorded input, the second as gate/up's, kept until the final pass uses it."""
 
     def __init__(self, module: nn.Module, batch: _Batch, batches: int):
         super().__init__()
         self.inner = module
         self.batch = batch
         self.calls: list[tuple | None] = [None] * batches  # per batch: inputs, output, their versions
+        self.latest: list[weakref.ref | None] = [None] * batches  # per batch: the output of a pass's first call
+        self.claimed: list[tuple[Tensor, int] | None] = [None] * batches  # per batch: output and version
 
     def forward(self, *args, **kwargs):
         i = self.batch.index
+        first = self.batch.first_call(self)
+        output = self._claimed(i) if first else None
+        if output is None:
+            output = self._remembered(i, args, kwargs)
+        if first:
+            self.latest[i] = weakref.ref(output) if isinstance(output, Tensor) else None
+        return output
+
+    def _claimed(self, i: int) -> Tensor | None:
+        """The claimed output of batch i, unless changed in place since (then forgotten);
+        forgotten after the final pass takes it."""
+        if self.claimed[i] is None:
+            return None
+        output, version = self.claimed[i]
+        if output._version != version or self.batch.last_pass:
+            self.claimed[i] = None
+        return output if output._version == version else None
+
+    def _remembered(self, i: int, args: tuple, kwargs: dict):
         last = self.calls[i]
         if last is not None:
             inputs, output, versions = last
@@ -166,6 +206,15 @@ class _Memo(nn.Module):
         kept = _plain((args, kwargs)) and _plain(output) and self.batch.from_block_inputs((args, kwargs))
         self.calls[i] = ((args, kwargs), output, _versions(((args, kwargs), output))) if kept else None
         return output
+
+    def claim(self, i: int, x: Tensor) -> bool:
+        """Keep x, a stage's recorded input of batch i, for the later passes' first call, if
+        it is this pass's output of the first call (then True)."""
+        latest = self.latest[i]() if self.latest[i] is not None else None
+        if latest is None or latest is not x:
+            return False
+        self.claimed[i] = (x, x._version)
+        return True
 
 
 def _identical(a, b) -> bool:
@@ -182,19 +231,21 @@ def _identical(a, b) -> bool:
 
 
 @contextmanager
-def _memoized(block: nn.Module, linears: dict[str, nn.Linear], batch: _Batch, batches: int) -> Iterator[None]:
+def _memoized(block: nn.Module, linears: dict[str, nn.Linear], batch: _Batch, batches: int
+              ) -> Iterator[list[_Memo]]:
     """The block's children with parameters but no target Linear (norms, not activation
     functions: those cost little to recompute and their inputs are wide) stand in as _Memo
-    while the block runs."""
+    while the block runs (yielded)."""
     names = [
         name for name, child in block.named_children()
         if not any(n.startswith(name + ".") or n == name for n in linears) and any(True for _ in child.parameters())
     ]
     originals = {name: block.get_submodule(name) for name in names}
-    for name, module in originals.items():
-        block.set_submodule(name, _Memo(module, batch, batches))
+    memos = [_Memo(module, batch, batches) for module in originals.values()]
+    for name, memo in zip(originals, memos):
+        block.set_submodule(name, memo)
     try:
-        yield
+        yield memos
     finally:
         for name, module in originals.items():
             block.set_submodule(name, module)
@@ -308,16 +359,17 @@ def quantize_block_sequentially(
     Linears, which share that observer, and returns the installed modules by name);
     return the block's outputs computed with the quantized Linears."""
     batch = _Batch(device=run.device)
-    memo = contextlib.ExitStack()
+    memo, memos = contextlib.ExitStack(), []
     if batch.device.type == "cpu" and len(order.stages) > 1:  # on an accelerator the glue is cheap and memory dear
-        memo.enter_context(_memoized(run.block, linears, batch, len(run.inputs)))
+        memos = memo.enter_context(_memoized(run.block, linears, batch, len(run.inputs)))
     with memo:
-        return _quantize_stages(run, order, linears, make_observer, quantize, batch)
+        return _quantize_stages(run, order, linears, make_observer, quantize, batch, memos)
 
 
 def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear], make_observer, quantize,
-                     batch: _Batch) -> Inputs:
-    """quantize_block_sequentially's stages and final pass (its arguments, and the batch index)."""
+                     batch: _Batch, memos: list[_Memo]) -> Inputs:
+    """quantize_block_sequentially's stages and final pass (its arguments, the batch index
+    and the block's norms standing in as _Memo)."""
     stages = order.stages
     replays: dict[str, list] = {}
     done: set[str] = set()
@@ -332,6 +384,10 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
         outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded, last_use)
         for name in last_use:
             del replays[name]
+        for index, x in enumerate(recorded):  # a norm's output is given back to the later passes
+            for memo in memos:
+                if memo.claim(index, x):
+                    break
         _coarsen(replays, pending, outputs, done, len(run.inputs))
         for name, module in quantize(stage, observer).items():
             with cached_weight(module):
@@ -344,6 +400,7 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
         batch.begin(index, args, kwargs)
         return _with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs))))
 
+    batch.last_pass = True
     with _replaying(run.block, replays, batch), cached_weight(run.block):
         return list(run.map_batches(final))
 

@@ -104,15 +104,17 @@ def test_linears_run_once_per_batch():
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
 
 
-def test_norms_of_the_block_input_are_computed_once_per_batch(monkeypatch):
+def test_norms_of_the_block_input_or_of_a_stage_input_are_computed_once_per_batch(monkeypatch):
     # input_layernorm reads the block's input: computed in the first of the five passes,
-    # returned again after. post_attention_layernorm reads a residual sum made anew in each
-    # pass: computed in each of the three passes that reach it. Nothing changes by a bit.
+    # returned again after. post_attention_layernorm's output is the gate/up stage's input:
+    # computed in that stage's pass, given back in the two passes after it (which would
+    # compute it again from a residual sum of the same values). Nothing changes by a bit.
     from ptq.calibration import sequential
 
     def run(memo: bool):
         if not memo:
             monkeypatch.setattr(sequential, "_identical", lambda *_: False)
+            monkeypatch.setattr(sequential._Memo, "claim", lambda *_: False)
         model = tiny_model("llama", dtype=torch.float32)
         calls = {}
         for name, module in model.named_modules():
@@ -127,7 +129,7 @@ def test_norms_of_the_block_input_are_computed_once_per_batch(monkeypatch):
     calls_all, hessians_all, outputs_all = run(memo=False)
     layers, batches = len(outputs), 2
     # per block: one probe pass of the first batch (execution_stages), then the passes
-    assert calls == {"input_layernorm": layers * (1 + batches), "post_attention_layernorm": layers * (1 + 3 * batches)}
+    assert calls == {"input_layernorm": layers * (1 + batches), "post_attention_layernorm": layers * (1 + batches)}
     assert calls_all == {"input_layernorm": layers * (1 + 5 * batches), "post_attention_layernorm": layers * (1 + 3 * batches)}
     assert all(torch.equal(hessians[name], hessians_all[name]) for name in hessians_all)
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_all))
@@ -170,3 +172,43 @@ def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs()
     memo(x, scale=2.0, extra=object())
     memo(x, scale=2.0, extra=object())
     assert inner.calls == 10  # arguments other than tensors and plain values: always computed
+
+
+def test_a_claimed_output_comes_back_at_the_first_call_of_each_later_pass_until_the_last():
+    from ptq.calibration import sequential
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * 2
+
+    inner = Counting()
+    batch = sequential._Batch(torch.device("cpu"))
+    memo = sequential._Memo(inner, batch, batches=2)
+    block_input = torch.zeros(3)
+    batch.begin(0, (block_input,), {})
+    first, second = memo(torch.ones(3)), memo(torch.ones(3))  # not the block's input: computed
+    assert inner.calls == 2
+    assert not memo.claim(0, second)  # only the first call's output can be claimed
+    assert not memo.claim(1, first)  # nor another batch's
+    assert memo.claim(0, first)
+    batch.begin(0, (block_input,), {})
+    assert memo(torch.full((3,), 5.0)) is first and inner.calls == 2  # the later pass's first call
+    assert torch.equal(memo(torch.ones(3)), second) and inner.calls == 3  # its second call: computed
+    batch.begin(1, (block_input,), {})
+    memo(torch.ones(3))
+    assert inner.calls == 4  # batch 1 claimed nothing
+    batch.begin(0, (block_input,), {})
+    first.add_(1)  # changed in place since: computed, and forgotten
+    fresh = memo(torch.ones(3))
+    assert torch.equal(fresh, torch.full((3,), 2.0)) and inner.calls == 5
+    assert memo.claimed[0] is None
+    assert memo.claim(0, fresh)
+    batch.last_pass = True
+    batch.begin(0, (block_input,), {})
+    kept = memo.claimed[0][0]
+    assert memo(torch.ones(3)) is kept and memo.claimed[0] is None  # the final pass takes it for good
