@@ -26,6 +26,7 @@ import torch
 
 from ptq.devices import compute_dtype_for
 from ptq.errors import PtqError
+from ptq.malloc import keep_freed_memory
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 FORMATS = ("compressed-tensors", "gptq", "awq")  # ptq.export.formats.FORMATS, without importing it
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)  # kill: clean up as for Ctrl-C
     _quiet_transformers()
+    keep_freed_memory()  # a process that runs ptq and exits: see ptq/malloc.py
     try:
         args = _parser().parse_args(argv)
         args.command_line = shlex.join(["ptq", *(a for a in argv if a != "--resume")])

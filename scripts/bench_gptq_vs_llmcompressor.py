@@ -8,7 +8,9 @@ calibration token ids from the bundled text, each run in its own process so that
 RSS is its own. llm-compressor is never a ptq dependency: it runs from the virtual
 environment given by --llmc-python (scripts/llmcompressor_worker.py), with the model
 loaded in bf16 (as given) and in float32. ptq picks its compute dtype itself (bf16 where
-this CPU has fast bf16 matmuls, else float32).
+this CPU has fast bf16 matmuls, else float32), and its worker sets glibc's malloc as the
+ptq CLI does (ptq/malloc.py: freed memory kept for reuse; llm-compressor's worker keeps
+glibc's default, as a script calling it would).
 
 Models (--models): the bundled trained model, the only one whose perplexity (on the
 held-out text) means anything; a random Llama (hidden 1024, intermediate 2816, 4 layers)
@@ -54,6 +56,7 @@ import torch
 
 from bench_floor import Rates, floor_of, transformers_forward
 from bench_under_load import busy_cores
+from ptq.malloc import keep_freed_memory
 
 HERE = Path(__file__).resolve()
 RANDOM_MODELS = {
@@ -125,6 +128,7 @@ def ptq_recipe(method: str, samples: int, seq_len: int, group_size: int, options
 
 def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size: int, options: dict) -> dict:
     slow_bf16_if_asked()
+    keep_freed_memory()  # as the ptq CLI's processes do (ptq/malloc.py); llm-compressor's keep glibc's default
     start = time.perf_counter()
     ids = torch.load(ids_path, weights_only=True)
     model, tokenizer = ptq.load_model(model_path)
@@ -375,6 +379,7 @@ def main() -> None:
     if args.no_fast_bf16:  # the floor and the perplexity runs here see the same CPU as the workers
         os.environ[NO_FAST_BF16] = "1"
         slow_bf16_if_asked()
+    keep_freed_memory()  # the transformers forward beside the floor runs here, as ptq's workers do
     start = time.perf_counter()
     print(f"{os.cpu_count()} CPUs; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     args.tokens = parse_tokens(args.tokens)
