@@ -179,10 +179,11 @@ def test_hessian_does_not_depend_on_the_thread_count(dtype):
     assert all(torch.equal(first, other) for other in others)
 
 
-def test_gptq_factorisation_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("n", [768, 1000])  # LAPACK on one thread; blocked, and side by side
+def test_gptq_factorisation_does_not_depend_on_the_thread_count(n):
     # the Cholesky factor of a 768-wide Hessian differs in most entries between 1 and 2
     # threads when LAPACK runs on both
-    x = torch.randn(1024, 768, generator=torch.Generator().manual_seed(1))  # [tokens, in]
+    x = torch.randn(1024, n, generator=torch.Generator().manual_seed(1))  # [tokens, in]
     H = 2 / 1024 * x.t() @ x  # [in, in]
     first, *others = _at_threads([1, 2, 4], lambda: _inverse_cholesky(H.clone(), 0.01)[0])
     assert all(torch.equal(first, other) for other in others)

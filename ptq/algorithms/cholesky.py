@@ -6,16 +6,18 @@ H⁻¹ itself is never formed.
 
 On a CPU, LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round differently with
 the thread count, and GPTQ's rounding decisions amplify that; on one thread they took a
-fifth of the GPTQ job on SmolLM2's shapes (issue 15). Here both are blocked by hand: every
-block operation (a Cholesky of a BLOCK-wide diagonal block, a triangular solve, a GEMM
-update) runs on one thread, the independent ones side by side on all threads
-(devices.cpu_parallel). The blocks are fixed by the matrix size alone, so the bits do not
-depend on the thread count. Up to SMALL rows (q/k/v, o and gate/up of SmolLM2-sized
+fifth of the GPTQ job on SmolLM2's shapes (issue 15). Here both are split by hand: every
+operation of the Cholesky's blocks (a Cholesky of a BLOCK-wide diagonal block, a triangular
+solve, a GEMM update) and every solve for a chunk of columns of the inverse runs on one
+thread, the independent ones side by side on all threads (devices.cpu_parallel). The
+blocks and chunks are fixed by the matrix size alone, so the bits do not depend on the
+thread count. Up to SMALL rows (q/k/v, o and gate/up of SmolLM2-sized
 models) the blocks are too few to keep the threads busy and their Python costs more than
 the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times faster here
 (576 rows: 4.3 against 6.3 ms; 256: 1.0 against 1.5), and as independent of the thread count.
 
-Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks. The
+Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
+while the inverse's chunks are solved, their results (about n²/2 floats). The
 factorisation reads only the lower triangle: the strict lower triangle of the original is
 first kept in the strict upper one, so that a retry with more dampening can restore it.
 """
@@ -33,6 +35,7 @@ from ptq.devices import cpu_parallel, cpu_threads
 MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
 MAX_RETRIES = 4
 BLOCK = 256  # rows and columns of the factorisation's blocks
+INVERSE_CHUNK = 256  # columns of L⁻¹ that one triangular solve finds (inverse_lower_)
 SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread instead (measured crossover)
 
 
@@ -59,13 +62,17 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
     if H.device.type == "cpu" and H.shape[0] <= SMALL:
         return _inverse_cholesky_small(H, base, mean, damp)
     threads = torch.get_num_threads()
-    _lower_into_upper_(H)
-    for attempt, lam in enumerate(damp_schedule(damp)):
-        if attempt:
-            _upper_into_lower_(H)
-        H.diagonal().copy_(base).add_(mean * lam)
-        if cholesky_lower_(H, threads) and inverse_lower_(H, threads):
-            return flip_(H.tril_()), lam, None  # [in, in] upper
+    # the blocks' operations run side by side on one thread each (_parallel); between them
+    # the copies and small steps run on this thread alone: on two threads each would first
+    # wake torch's other OpenMP thread, asleep since the last (a VM's idle core wakes late)
+    with cpu_threads(1) if H.device.type == "cpu" else contextlib.nullcontext():
+        _lower_into_upper_(H)
+        for attempt, lam in enumerate(damp_schedule(damp)):
+            if attempt:
+                _upper_into_lower_(H)
+            H.diagonal().copy_(base).add_(mean * lam)
+            if cholesky_lower_(H, threads) and inverse_lower_(H, threads):
+                return flip_(H.tril_()), lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 
@@ -155,35 +162,32 @@ def inverse_lower_(L: Tensor, threads: int) -> bool:
     that of L⁻¹; L's strict upper triangle is neither read nor changed. Returns whether
     every entry of L⁻¹ is finite.
 
-    In place, a block column at a time from the right (as LAPACK's trtri): with X = L⁻¹
-    already in place right of column j1, X[i, j] = -(Σ_{j1 <= k <= i} X[i, k] L[k, j]) X[j, j]
-    for each row block i below j, X[j, j] = L[j, j]⁻¹. The row blocks are GEMMs side by
-    side on the threads, written back once all have read the column of L they share."""
+    Columns [c0, c1) of L⁻¹ are zero above row c0, and below it they solve
+    L[c0:, c0:] X = I[c0:, c0:c1]: one triangular solve of (n - c0)² (c1 - c0) multiply-adds
+    per chunk of INVERSE_CHUNK columns, n³/3 in all (as a triangular inverse; a solve
+    against the whole identity does three times that). The chunks are fixed by n, each
+    solve runs on one thread, side by side, the largest first; they read columns of L that
+    the others' results replace, so the results are written back once all are done (about
+    n²/2 floats meanwhile). On SmolLM2's 1536-row Hessian: 13 ms on 2 threads, against 26
+    to 33 ms for a blocked inverse (GEMMs of 256-row blocks, a block column at a time) and
+    22 ms for LAPACK's solve against the identity on both threads."""
     n = L.shape[0]
-    edges = _edges(n, BLOCK)
-    blocks = list(zip(edges, edges[1:]))
-    sums = []  # float64 sums of the blocks of L⁻¹: finite iff every entry is (float32 values cannot overflow them)
-    inverted: dict[int, Tensor] = {}  # X[i, i] of the row blocks done, its zeros above the diagonal written
-    for j, (j0, j1) in reversed(list(enumerate(blocks))):
-        with cpu_threads(1) if L.device.type == "cpu" else contextlib.nullcontext():
-            eye = torch.eye(j1 - j0, dtype=L.dtype, device=L.device)
-            D = torch.linalg.solve_triangular(L[j0:j1, j0:j1], eye, upper=False)  # [b, b] lower
-        minus_D = D.neg()
+    edges = _edges(n, INVERSE_CHUNK)
+    chunks = list(zip(edges, edges[1:]))
 
-        def row(i0: int, i1: int) -> Tensor:  # X[i, j] for row block [i0, i1)
-            diagonal = inverted[i0] @ L[i0:i1, j0:j1]
-            if i0 > j1:
-                diagonal += L[i0:i1, j1:i0] @ L[j1:i0, j0:j1]
-            return diagonal @ minus_D
+    def solve(c0: int, c1: int) -> Tensor:  # [n - c0, c1 - c0]: rows c0.. of columns [c0, c1) of L⁻¹
+        identity = torch.zeros(n - c0, c1 - c0, dtype=L.dtype, device=L.device)
+        identity.diagonal().fill_(1)
+        # as Xᵀ Lᵀ = I: L[c0:, c0:]ᵀ is a column-major view LAPACK takes as it is, where
+        # L[c0:, c0:] (row-major, rows longer than its width) would be copied first
+        return torch.linalg.solve_triangular(L[c0:, c0:].mT, identity.mT, upper=True, left=False).mT
 
-        below = blocks[j + 1:]
-        rows = _parallel([functools.partial(row, i0, i1) for i0, i1 in below], L, threads)
-        for (i0, i1), X in zip(below, rows):
-            sums.append(X.sum(dtype=torch.float64))
-            L[i0:i1, j0:j1] = X
-        sums.append(D.sum(dtype=torch.float64))
-        _set_lower_(L[j0:j1, j0:j1], D)
-        inverted[j0] = D.tril()  # D is lower triangular: the zeros solve_triangular wrote above, made sure
+    solved = _parallel([functools.partial(solve, c0, c1) for c0, c1 in chunks], L, threads)
+    sums = []  # float64 sums: finite iff every entry is (float32 values cannot overflow them)
+    for (c0, c1), X in zip(chunks, solved):
+        _set_lower_(L[c0:c1, c0:c1], X[: c1 - c0])
+        L[c1:, c0:c1] = X[c1 - c0:]
+        sums.append(X.sum(dtype=torch.float64))
     return bool(torch.isfinite(torch.stack(sums).sum()))
 
 

@@ -17,7 +17,9 @@ def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
     assert float((U.double().t() @ U.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("n", [100, 256, 700])  # one block, exactly one, three (the last partial)
+# LAPACK on one thread up to cholesky.SMALL rows; above, the blocked Cholesky and the
+# inverse in chunks of columns (1000: four blocks and chunks, the last partial)
+@pytest.mark.parametrize("n", [100, 256, 700, 1000])
 def test_inverse_factor(n):
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (3 * n)
