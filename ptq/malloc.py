@@ -55,4 +55,5 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> str | None:
         return None  # musl, macOS: their allocators are not glibc's
     if not (libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
         return None
-    return f"glibc malloc keeps freed memory: trim threshold {TRIM_THRESHOLD >> 20} MiB, mmap threshold {MMAP_THRESHOLD >> 20} MiB"
+    return (f"glibc malloc keeps freed memory: trim threshold {TRIM_THRESHOLD >> 20} MiB, "
+            f"mmap threshold {MMAP_THRESHOLD >> 20} MiB")
