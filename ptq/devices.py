@@ -214,9 +214,9 @@ def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1)
     with cpu_threads(threads_per_task):
         if threads <= 1 or len(tasks) <= 1:
             return [task() for task in tasks]
-        shared = _Shared(tasks, threads_per_task)
+        shared, pool = _Shared(tasks, threads_per_task), _pool(threads - 1)
         for _ in range(min(threads, len(tasks)) - 1):
-            _pool(threads - 1).submit(shared.work)
+            pool.submit(shared.work)
         shared.work()
         return shared.wait()
 

@@ -38,11 +38,9 @@ def user_allocator_choice(environ: Mapping[str, str]) -> str | None:
     """What the user set about the allocator (then ptq sets nothing), or None."""
     if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"
-    if any(name in environ for name in USER_VARIABLES):
-        return next(name for name in USER_VARIABLES if name in environ)
     if "malloc" in environ.get("LD_PRELOAD", ""):  # jemalloc, tcmalloc, mimalloc
         return "LD_PRELOAD"
-    return None
+    return next((name for name in USER_VARIABLES if name in environ), None)
 
 
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -192,9 +192,10 @@ class _Memo(nn.Module):
         if self.claimed[i] is None:
             return None
         output, version = self.claimed[i]
-        if output._version != version or self.batch.last_pass:
+        unchanged = output._version == version
+        if not unchanged or self.batch.last_pass:
             self.claimed[i] = None
-        return output if output._version == version else None
+        return output if unchanged else None
 
     def _remembered(self, i: int, args: tuple, kwargs: dict):
         last = self.calls[i]
@@ -210,8 +211,7 @@ class _Memo(nn.Module):
     def claim(self, i: int, x: Tensor) -> bool:
         """Keep x, a stage's recorded input of batch i, for the later passes' first call, if
         it is this pass's output of the first call (then True)."""
-        latest = self.latest[i]() if self.latest[i] is not None else None
-        if latest is None or latest is not x:
+        if self.latest[i] is None or self.latest[i]() is not x:
             return False
         self.claimed[i] = (x, x._version)
         return True
