@@ -1,7 +1,8 @@
 """ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
 gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packing
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
-(ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm).
+(ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm), and
+transposed copies with a gather (transpose.c: GPTQ's working copy and its codes).
 One library, built at install when a C compiler is there (setup.py); without one ptq
 installs all the same, runs the torch references, and the report says so.
 
@@ -29,6 +30,10 @@ from ptq.schemes import QuantArgs
 ABI = 4  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+_TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
+    (1, 1): "ptq_transpose_8", (2, 2): "ptq_transpose_16", (4, 4): "ptq_transpose_32", (2, 4): "ptq_transpose_bf16_f32",
+}
+TRANSPOSE_TASK = 1 << 18  # elements of the target per task at least (smaller copies: one task)
 
 
 @functools.cache
@@ -71,6 +76,9 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
     lib.ptq_unpack_int32.argtypes = [_P, _I, _I, _C, _I, _P]
+    for name in _TRANSPOSES.values():
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [_P, _I, _P, _P, _I, _I, _I, _P]
     return lib, None
 
 
@@ -209,4 +217,35 @@ def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
     packed = packed.contiguous()
     out = torch.empty(packed.shape[0], n, dtype=torch.int8)
     library()[0].ptq_unpack_int32(packed.data_ptr(), packed.shape[0], packed.shape[1], bits, n, out.data_ptr())
+    return out
+
+
+def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = None,
+               dtype: torch.dtype | None = None) -> Tensor | None:
+    """src [m, n] with its rows, then its columns, picked by the index tensors `rows` and
+    `cols` (all when None), transposed, as a new contiguous tensor of `dtype` (src's by
+    default): out[i, j] = src[rows[j], cols[i]], what
+    src.index_select(0, rows).index_select(1, cols).t().to(dtype) holds, 2-3 times
+    faster than torch's strided copies here (transpose.c), on all threads. None where the
+    compiled copy does not apply (use torch): another device, a conversion other than
+    bf16 to float32, or no compiled library."""
+    dtype = src.dtype if dtype is None else dtype
+    same = dtype == src.dtype and not src.is_complex() and src.element_size() in (1, 2, 4)
+    if src.device.type != "cpu" or src.dim() != 2 or src.stride(1) != 1 or library()[0] is None:
+        return None
+    if not (same or (src.dtype == torch.bfloat16 and dtype == torch.float32)):
+        return None
+    R, C = (None if t is None else t.to(torch.int64).contiguous() for t in (rows, cols))
+    nj = src.shape[0] if R is None else R.numel()
+    ni = src.shape[1] if C is None else C.numel()
+    out = torch.empty(ni, nj, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    copy = getattr(library()[0], _TRANSPOSES[src.element_size(), out.element_size()])
+    pointers = (src.data_ptr(), src.stride(0), None if R is None else R.data_ptr(),
+                None if C is None else C.data_ptr())
+    tasks = max(1, min(torch.get_num_threads(), out.numel() // TRANSPOSE_TASK))
+    cuts = [ni * t // tasks for t in range(tasks + 1)]
+    cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr())
+                  for i0, i1 in zip(cuts, cuts[1:]) if i1 > i0], tasks)
     return out

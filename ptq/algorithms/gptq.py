@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ptq.algorithms import compiled
 from ptq.algorithms.cholesky import inverse_cholesky
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
@@ -102,21 +103,20 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
         return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
 
     Wt = _transposed_copy(W, perm)  # [in, out], row p = column perm[p]
-    Wt[dead if perm is None else dead[perm]] = 0
+    if bool(dead.any()):
+        Wt[dead if perm is None else dead[perm]] = 0
     members, group = _group_layout(W.shape[1], args, actorder, perm)
     grid = _Grid(members.shape[0], W.shape[0], args, scale_dtype, observer, importance)
     Qt, loss = _solve(Wt, Hinv, members, group, grid, block_size, scales)
 
-    Q = Qt.view(torch.int8)  # [in, out] (fp8 bits travel as int8)
-    g_idx = None
+    g_idx, position = None, None
     if perm is not None:
         position = torch.argsort(perm)  # [in]: position of each original column
-        Q = Q.index_select(0, position)
         if actorder == "group" and args.strategy == "group":
             g_idx = group.to(W.device)[position].to(torch.int32)  # [in]
     zero = None if grid.zero is None else grid.zero.t().to(torch.int8).contiguous()
     weight = QuantizedWeight(
-        q=Q.t().contiguous().view(Qt.dtype),  # [out, in]
+        q=_codes(Qt, position),  # [out, in]
         scale=grid.scale.t().contiguous(),  # [out, groups]
         zero=zero,  # [out, groups]
         g_idx=g_idx,
@@ -189,10 +189,23 @@ def _fallback(
 
 def _transposed_copy(W: Tensor, perm: Tensor | None) -> Tensor:
     """A float32 copy of W [out, in] as [in, out] with rows in processing order."""
+    Wt = compiled.transposed(W.detach(), cols=perm, dtype=torch.float32)  # None where it does not apply
+    if Wt is not None:
+        return Wt
     Wt = W.detach().t()  # [in, out], a view
     # one copy in W's dtype, then float32 (no copy when W is float32: hence the clone)
     Wt = Wt.index_select(0, perm) if perm is not None else Wt.clone(memory_format=torch.contiguous_format)
     return Wt.float()
+
+
+def _codes(Qt: Tensor, position: Tensor | None) -> Tensor:
+    """The codes Qt [in, out] (rows in processing order; int8, or fp8) as [out, in] with
+    columns in the original order: column c is row position[c]."""
+    Q = Qt.view(torch.int8)  # fp8 bits travel as int8
+    moved = compiled.transposed(Q, rows=position)  # None where it does not apply
+    if moved is None:
+        moved = (Q if position is None else Q.index_select(0, position)).t().contiguous()
+    return moved.view(Qt.dtype)
 
 
 def _group_layout(
