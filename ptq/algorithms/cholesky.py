@@ -86,7 +86,9 @@ def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) 
             damped.diagonal().copy_(base).add_(mean * lam)
             L, info = torch.linalg.cholesky_ex(damped)  # [n, n] lower; reads the lower triangle
             if int(info) == 0:
-                inverse = torch.linalg.solve_triangular(L, eye, upper=False)  # [n, n] lower
+                # eye.mT: the identity as a column-major view, which LAPACK's solve copies as
+                # it is instead of transposing (576 rows: 1.71 against 1.99 ms; same bits)
+                inverse = torch.linalg.solve_triangular(L, eye.mT, upper=False)  # [n, n] lower
                 # a float64 sum of float32 values cannot overflow: it is finite iff they all are
                 if bool(torch.isfinite(inverse.sum(dtype=torch.float64))):
                     return inverse.tril_().flip((0, 1)), lam, None  # [in, in] upper

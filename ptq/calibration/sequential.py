@@ -12,10 +12,11 @@ inputs produced by the already-quantized stages before it:
   is computed twice; once every Linear inside a submodule (self_attn, mlp) is quantized,
   the submodule is replayed whole: at once when it returns its last Linear's output as
   is (self_attn returns o_proj's), else from its outputs recorded in the next pass;
-- the last stage's pass uses the replays of the Linears feeding it (gate/up) for the last
-  time and lets go of each batch's outputs as it goes, so its recorded input (down's)
-  takes their place instead of adding to them; the final pass, which gives the block's
-  outputs (the next block's inputs), then runs only the glue;
+- a replay is copied (against in-place ops downstream) only for a pass that a later one
+  follows reading it again: its last pass hands each batch's outputs over and lets go of
+  them as it goes (q/k/v's in o's pass, gate/up's in the last stage's, whose recorded
+  input, down's, takes their place instead of adding to them; every replay in the final
+  pass, which gives the block's outputs, the next block's inputs, running only the glue);
 - on a CPU, the block's norms that read nothing but the block's own input (Llama's
   input_layernorm) are computed in the first pass only, and a norm whose output is a
   stage's input (post_attention_layernorm) in that stage's pass only (_Memo).
@@ -86,7 +87,7 @@ class _Replay(nn.Module):
         self.last_use = last_use  # no later pass replays these: hand each over and forget it
 
     def forward(self, *_args, **_kwargs):
-        if self.last_use:
+        if self.last_use or self.batch.last_pass:
             output, self.outputs[self.batch.index] = self.outputs[self.batch.index], None
             return _fetch(output, self.batch.device, copy=False)
         # a copy, so in-place ops downstream cannot corrupt what the next pass replays
@@ -378,9 +379,7 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
         observer = make_observer()
         recorded: list[Tensor] = []
         pending = _complete_ancestors(replays, linears, done)
-        # Memory: in the last stage's pass, the outputs of single Linears still replayed
-        # (gate/up) are needed for the last time; each batch's go as its input is recorded
-        last_use = frozenset(name for name in replays if name in linears) if last else frozenset()
+        last_use = _last_used(replays, order.returns, linears, done, stage, last)
         outputs = _stage_pass(run, linears[stage[0]], replays, pending, batch, observer, recorded, last_use)
         for name in last_use:
             del replays[name]
@@ -403,6 +402,22 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
     batch.last_pass = True
     with _replaying(run.block, replays, batch), cached_weight(run.block):
         return list(run.map_batches(final))
+
+
+def _last_used(replays: dict[str, list], returns: dict[str, tuple[str, int]], linears: dict[str, nn.Linear],
+               done: set[str], stage: list[str], last: bool) -> frozenset[str]:
+    """The replayed single Linears that no pass after this stage's reads, so that this pass
+    hands each batch's outputs over instead of copying them, and lets them go as it goes:
+    in the last stage's pass, all of them (gate/up's); before it, those inside a submodule
+    replayed whole once the stage is quantized (_replay_returning_modules: q/k/v's in o's
+    pass, self_attn's then)."""
+    singles = [name for name in replays if name in linears]
+    if last:
+        return frozenset(singles)
+    after = done | set(stage)  # quantized once this stage is, each with a replay
+    whole = [name for name, (linear, _) in returns.items()
+             if (linear in replays or linear in stage) and _complete(name, linears, after)]
+    return frozenset(n for n in singles if any(n.startswith(name + ".") for name in whole))
 
 
 def _replay_returning_modules(

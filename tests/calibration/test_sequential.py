@@ -135,6 +135,36 @@ def test_norms_of_the_block_input_or_of_a_stage_input_are_computed_once_per_batc
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_all))
 
 
+def test_replays_are_copied_only_for_a_later_pass(monkeypatch):
+    # a replay's copy guards what a later pass reads again against in-place ops; where no
+    # later pass reads it, its outputs are handed over: q/k/v's in o's pass (self_attn is
+    # replayed whole after it), gate/up's in down's pass, self_attn's and mlp's in the
+    # final pass. Only self_attn's in the gate/up and down passes are copied. Same bits.
+    from ptq.calibration import sequential
+
+    fetch = sequential._fetch
+
+    def run(always_copy: bool):
+        copies = []
+
+        def counted(value, device, copy):
+            copies.append(copy)
+            return fetch(value, device, copy or always_copy)
+
+        monkeypatch.setattr(sequential, "_fetch", counted)
+        hessians, outputs = quantize_with(tiny_model("llama", dtype=torch.float32), replay=True)
+        monkeypatch.undo()
+        return copies, hessians, outputs
+
+    copies, hessians, outputs = run(always_copy=False)
+    _, hessians_copied, outputs_copied = run(always_copy=True)
+    layers, batches = len(outputs), 2
+    assert copies.count(True) == layers * 2 * batches  # self_attn, in 2 passes
+    assert copies.count(False) == layers * (3 + 2 + 2) * batches
+    assert all(torch.equal(hessians[name], hessians_copied[name]) for name in hessians_copied)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_copied))
+
+
 def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs():
     from ptq.calibration import sequential
 
