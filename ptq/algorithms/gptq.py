@@ -327,12 +327,7 @@ def _solve(
         first_at[list(first)] = torch.tensor(list(first.values()), dtype=torch.long)
         blocks = BlockLoop(Wt, Hinv, Err1, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,
                            grid.args, grid.scale_dtype, grid.observer, torch.get_num_threads())
-        for i1 in range(0, cols, block_size):
-            i2 = min(i1 + block_size, cols)
-            blocks.run(i1, i2)
-            E = Err1[: i2 - i1]  # [block, out]
-            loss += E.square().sum() / 2
-            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+        loss = blocks.solve(block_size)
         grid.scale.copy_(grid.scale_f)  # the compiled loop fills the float32 copy, in scale_dtype's values
         return Qt, loss
 
