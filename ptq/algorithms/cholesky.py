@@ -59,7 +59,7 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
     mean = base.mean()
     if not bool(mean > 0):
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
-    if H.device.type == "cpu" and H.shape[0] <= SMALL:
+    if on_one_thread(H):
         return _inverse_cholesky_small(H, base, mean, damp)
     threads = torch.get_num_threads()
     # the blocks' operations run side by side on one thread each (_parallel); between them
@@ -74,6 +74,12 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
             if cholesky_lower_(H, threads) and inverse_lower_(H, threads):
                 return flip_(H.tril_()), lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
+
+
+def on_one_thread(H: Tensor) -> bool:
+    """Whether inverse_cholesky factors H on one thread (a CPU matrix of at most SMALL rows),
+    leaving the others free for work beside it."""
+    return H.device.type == "cpu" and H.shape[0] <= SMALL
 
 
 def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:

@@ -19,6 +19,7 @@ point that the returned QuantizedWeight holds, and dequantized as `dequantize` d
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,10 +27,10 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import inverse_cholesky
+from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
-from ptq.devices import cpu_threads, float32_gemms
+from ptq.devices import cpu_parallel, cpu_threads, float32_gemms
 from ptq.primitives import (
     FP8_DTYPE,
     FP8_MAX,
@@ -98,14 +99,16 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
         perm = torch.argsort(diag, descending=True, stable=True)  # [in]
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
-    Hinv, used_damp, reason = inverse_cholesky(_reversed_copy(H, order, dead), damp)  # [in, in] upper
+    Hr = _reversed_copy(H, order, dead)
+    factor = functools.partial(inverse_cholesky, Hr, damp)  # -> Hinv [in, in] upper, damp, failure
+    prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
+    if on_one_thread(Hr) and torch.get_num_threads() > 1:  # the working copy is made beside the factorisation
+        (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
+    else:
+        (Hinv, used_damp, reason), working = factor(), None
     if Hinv is None:
         return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
-
-    Wt = _transposed_copy(W, perm)  # [in, out], row p = column perm[p]
-    if bool(dead.any()):
-        Wt[dead if perm is None else dead[perm]] = 0
-    members, group = _group_layout(W.shape[1], args, actorder, perm)
+    Wt, members, group = working or prepare()
     grid = _Grid(members.shape[0], W.shape[0], args, scale_dtype, observer, importance)
     Qt, loss = _solve(Wt, Hinv, members, group, grid, block_size, scales)
 
@@ -185,6 +188,17 @@ def _fallback(
     E = W - weight.dequantize().float()  # [out, in]
     error = 0.5 * float(((E @ H.float()) * E).sum())
     return GPTQResult(weight, damp, f"round-to-nearest: {reason}", error)
+
+
+def _working_copy(W: Tensor, perm: Tensor | None, dead: Tensor, args: QuantArgs, actorder: str
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Wt [in, out], the weight in processing order with dead inputs' weights zeroed (row p
+    = column perm[p]), and the group layout (_group_layout): what the column loop needs
+    besides H⁻¹."""
+    Wt = _transposed_copy(W, perm)
+    if bool(dead.any()):
+        Wt[dead if perm is None else dead[perm]] = 0
+    return (Wt, *_group_layout(W.shape[1], args, actorder, perm))
 
 
 def _transposed_copy(W: Tensor, perm: Tensor | None) -> Tensor:
