@@ -86,9 +86,10 @@ class BlockLoop:
         this thread). The slices share no row, and no thread waits on another between
         blocks: one wake-up per solve instead of two per block, and a slice's rows of Wt
         stay in its core's cache (SmolLM2's four solves per layer: 42-44 -> 34-36 ms).
-        Each row gets what it gets with the rows solved together: the update of a slice's
-        columns is the same multiply-adds in the same order as the whole GEMM's (checked
-        for every slicing and thread count by the tests)."""
+        Each row gets what it gets with all rows in one slice: the lazy update of a slice's
+        columns sums each element over the block's positions as the whole GEMM does (MKL
+        sums an element's products in one order whatever the output's width; the tests
+        check the codes at 1 to 3 threads, i.e. 1 to 3 slices)."""
         Wt, Hinv, E = self._Wt, self._Hinv, self._E
         cols = Wt.shape[0]
         starts = list(range(0, cols, block_size))

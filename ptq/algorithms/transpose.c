@@ -2,28 +2,28 @@
    index maps, identity when NULL). GPTQ's working copy of a weight (W [out, in] as
    [in, out] with its columns in processing order, bf16 or float32 widened to float32) and
    its codes put back (Qt [in, out] int8, rows in processing order, as [out, in]). torch's
-   strided copies move these an element at a time: 2-3 times slower (ptq.algorithms.compiled,
-   gather_transpose). Moves and exact bf16 -> float32 widening only: the same bits anywhere. */
+   strided copies of these were 2-3 times slower (ptq.algorithms.compiled.transposed calls
+   this file). Moves and exact bf16 -> float32 widening only: the same bits anywhere. */
 
 #include "quant_math.h" /* VECTORIZED: the AVX-512 clone widens 1.5x faster */
 
 enum { TILE = 32 }; /* source rows read together: one cache line each stays in L1 across i */
 
-#define GATHER_TRANSPOSE(NAME, SRC, DST, CONVERT)                                                                   \
-    VECTORIZED void NAME(const SRC *src, int64_t ld, const int64_t *R, const int64_t *C, int64_t i0, int64_t i1, int64_t nj, \
-              DST *dst) {                                                                                         \
-        for (int64_t j0 = 0; j0 < nj; j0 += TILE) {                                                               \
-            const int64_t width = j0 + TILE < nj ? TILE : nj - j0;                                                \
-            const SRC *rows[TILE];                                                                                \
-            for (int64_t j = 0; j < width; j++)                                                                   \
-                rows[j] = src + (R ? R[j0 + j] : j0 + j) * ld;                                                    \
-            for (int64_t i = i0; i < i1; i++) {                                                                   \
-                const int64_t c = C ? C[i] : i;                                                                   \
-                DST *d = dst + i * nj + j0;                                                                       \
-                for (int64_t j = 0; j < width; j++)                                                               \
-                    d[j] = CONVERT(rows[j][c]);                                                                   \
-            }                                                                                                     \
-        }                                                                                                         \
+#define GATHER_TRANSPOSE(NAME, SRC, DST, CONVERT)                                                       \
+    VECTORIZED void NAME(const SRC *src, int64_t ld, const int64_t *R, const int64_t *C, int64_t i0,   \
+                         int64_t i1, int64_t nj, DST *dst) {                                          \
+        for (int64_t j0 = 0; j0 < nj; j0 += TILE) {                                                   \
+            const int64_t width = j0 + TILE < nj ? TILE : nj - j0;                                    \
+            const SRC *rows[TILE];                                                                    \
+            for (int64_t j = 0; j < width; j++)                                                       \
+                rows[j] = src + (R ? R[j0 + j] : j0 + j) * ld;                                        \
+            for (int64_t i = i0; i < i1; i++) {                                                       \
+                const int64_t c = C ? C[i] : i;                                                       \
+                DST *d = dst + i * nj + j0;                                                           \
+                for (int64_t j = 0; j < width; j++)                                                   \
+                    d[j] = CONVERT(rows[j][c]);                                                       \
+            }                                                                                         \
+        }                                                                                             \
     }
 
 static inline uint8_t same8(uint8_t x) { return x; }
