@@ -30,6 +30,7 @@ import functools
 import torch
 from torch import Tensor
 
+from ptq.algorithms import compiled
 from ptq.devices import cpu_parallel, cpu_threads
 
 MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
@@ -97,7 +98,7 @@ def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) 
                 inverse = torch.linalg.solve_triangular(L, eye.mT, upper=False)  # [n, n] lower
                 # a float64 sum of float32 values cannot overflow: it is finite iff they all are
                 if bool(torch.isfinite(inverse.sum(dtype=torch.float64))):
-                    return inverse.tril_().flip((0, 1)), lam, None  # [in, in] upper
+                    return flip_(inverse.tril_()), lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 
@@ -199,19 +200,25 @@ def inverse_lower_(L: Tensor, threads: int) -> bool:
 
 
 def _lower_into_upper_(A: Tensor) -> None:
-    """A's strict upper triangle = its strict lower triangle, transposed."""
-    _set_lower_(A.t(), A, diagonal=False)  # A.t()'s strict lower triangle is A's strict upper one
+    """A's strict upper triangle = its strict lower triangle, transposed (on a CPU compiled:
+    1536 rows, 0.5 against 2.8 ms)."""
+    if not compiled.mirror_(A, to_upper=True):
+        _set_lower_(A.t(), A, diagonal=False)  # A.t()'s strict lower triangle is A's strict upper one
 
 
 def _upper_into_lower_(A: Tensor) -> None:
     """The reverse of _lower_into_upper_: A's strict lower triangle from its strict upper one."""
-    _set_lower_(A, A.t(), diagonal=False)
+    if not compiled.mirror_(A):
+        _set_lower_(A, A.t(), diagonal=False)
 
 
 def flip_(A: Tensor, chunk: int = 1 << 20) -> Tensor:
     """A.flip((0, 1)) in A's memory (returned), A [n, n] dense in either layout: reversing
     both axes reverses the storage, swapped a chunk of elements at a time. The same
-    values and strides as flip's copy, without the copy."""
+    values and strides as flip's copy, without the copy. On a CPU compiled
+    (compiled.reverse_: 1536 rows, 0.36 against 1.5 ms)."""
+    if compiled.reverse_(A):
+        return A
     flat = A.t().reshape(-1) if A.stride(0) == 1 else A.view(-1)  # A's storage, in order
     assert flat.data_ptr() == A.data_ptr() and flat.numel() == A.numel(), "A must be dense"
     total = flat.numel()

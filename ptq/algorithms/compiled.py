@@ -2,7 +2,8 @@
 gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packing
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm), and
-transposed copies with a gather (transpose.c: GPTQ's working copy and its codes).
+moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
+copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
 One library, built at install when a C compiler is there (setup.py); without one ptq
 installs all the same, runs the torch references, and the report says so.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,9 +78,13 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
     lib.ptq_unpack_int32.argtypes = [_P, _I, _I, _C, _I, _P]
-    for name in _TRANSPOSES.values():
+    for name in (*_TRANSPOSES.values(), "ptq_gather_32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [_P, _I, _P, _P, _I, _I, _I, _P]
+    lib.ptq_mirror_32.restype = None
+    lib.ptq_mirror_32.argtypes = [_P, _I, _I, _I, _I, _C]
+    lib.ptq_reverse_32.restype = None
+    lib.ptq_reverse_32.argtypes = [_P, _I, _I, _I]
     return lib, None
 
 
@@ -249,3 +255,63 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr())
                   for i0, i1 in zip(cuts, cuts[1:]) if i1 > i0], tasks)
     return out
+
+
+def _moves(A: Tensor) -> ctypes.CDLL | None:
+    """The library where transpose.c's 32-bit moves apply to A (a CPU matrix of 4-byte
+    real elements, rows of unit stride), else None."""
+    lib = library()[0]
+    ok = A.device.type == "cpu" and A.dim() == 2 and A.element_size() == 4 and not A.is_complex()
+    return lib if ok and A.stride(1) == 1 else None
+
+
+def _ranges(total: int, work: int, position: Callable[[float], float] = lambda f: f) -> list[tuple[int, int]]:
+    """[0, total) cut into one range per thread of about equal work (work: elements moved in
+    all, at least TRANSPOSE_TASK per range); position(f): where the first f of the work ends,
+    as a fraction of total (uniform work: f itself)."""
+    tasks = max(1, min(torch.get_num_threads(), work // TRANSPOSE_TASK))
+    cuts = sorted({0, total, *(round(total * position(t / tasks)) for t in range(1, tasks))})
+    return list(zip(cuts, cuts[1:]))
+
+
+def gathered(src: Tensor, rows: Tensor, cols: Tensor) -> Tensor | None:
+    """src[rows][:, cols] as a new contiguous matrix, in one pass on all threads (torch's
+    two index_selects: 2 passes), or None where the compiled move does not apply."""
+    lib = _moves(src)
+    if lib is None:
+        return None
+    R, C = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
+    out = torch.empty(R.numel(), C.numel(), dtype=src.dtype)
+    cpu_parallel([functools.partial(lib.ptq_gather_32, src.data_ptr(), src.stride(0), R.data_ptr(), C.data_ptr(),
+                                    i0, i1, C.numel(), out.data_ptr()) for i0, i1 in _ranges(R.numel(), out.numel())],
+                 torch.get_num_threads())
+    return out
+
+
+def mirror_(A: Tensor, to_upper: bool = False) -> bool:
+    """A [n, n]'s strict lower triangle from its strict upper one (A[i, j] = A[j, i] for
+    j < i), or with to_upper the other way round, in place, on all threads. False (A
+    unchanged) where the compiled move does not apply."""
+    lib = _moves(A)
+    if lib is None or A.shape[0] != A.shape[1]:
+        return False
+    n = A.shape[0]
+    # row i moves i entries into the lower triangle, n - 1 - i into the upper one
+    position = (lambda f: 1 - (1 - f) ** 0.5) if to_upper else (lambda f: f**0.5)
+    cpu_parallel([functools.partial(lib.ptq_mirror_32, A.data_ptr(), n, A.stride(0), i0, i1, int(to_upper))
+                  for i0, i1 in _ranges(n, n * n // 2, position)], torch.get_num_threads())
+    return True
+
+
+def reverse_(A: Tensor) -> bool:
+    """A's storage reversed in place, on all threads: for A dense (in either layout) what
+    A.flip((0, 1)) holds. False (A unchanged) where the compiled move does not apply: not
+    a dense CPU matrix of 4-byte real elements."""
+    lib = library()[0]
+    dense = A.dim() == 2 and (A.is_contiguous() or A.mT.is_contiguous())
+    if lib is None or A.device.type != "cpu" or A.element_size() != 4 or A.is_complex() or not dense:
+        return False
+    half = A.numel() // 2
+    cpu_parallel([functools.partial(lib.ptq_reverse_32, A.data_ptr(), A.numel(), k0, k1)
+                  for k0, k1 in _ranges(half, 2 * half)], torch.get_num_threads())
+    return True

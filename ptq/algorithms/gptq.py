@@ -162,11 +162,14 @@ def _check(
 
 def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
     """J Hp J as a new float32 matrix: H [in, in] with rows and columns in processing order
-    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1. Rows, then
+    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1. On a CPU one
+    compiled pass (compiled.gathered: 1536 rows, 1.2 against 2.0 ms); elsewhere rows, then
     columns: two gathers of whole rows and within rows, 2.5x faster than one gather of
     single elements (576 rows: 0.25 against 0.62 ms)."""
     reverse = order.flip(0)  # [in]
-    Hr = H.detach().index_select(0, reverse).index_select(1, reverse).float()  # [in, in]
+    Hr = compiled.gathered(H.detach(), reverse, reverse)  # None where it does not apply
+    if Hr is None:
+        Hr = H.detach().index_select(0, reverse).index_select(1, reverse).float()  # [in, in]
     Hr.diagonal().masked_fill_(dead[reverse], 1)
     return Hr
 

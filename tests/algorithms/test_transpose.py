@@ -1,5 +1,6 @@
-"""The compiled transposed copies (transpose.c, compiled.transposed) against torch's, and
-GPTQ with them against GPTQ without: moves and exact widening, so equal bits."""
+"""The compiled moves (transpose.c: compiled.transposed, gathered, mirror_, reverse_) against
+torch's, and GPTQ, the Hessian's mirror and the Cholesky steps with them against without:
+moves and exact widening, so equal bits."""
 
 from __future__ import annotations
 
@@ -68,3 +69,77 @@ def test_gptq_gives_the_same_weight_with_the_compiled_copies(actorder, dtype, mo
     assert torch.equal(fast.zero, reference.zero)
     assert (fast.g_idx is None) == (reference.g_idx is None)
     assert fast.g_idx is None or torch.equal(fast.g_idx, reference.g_idx)
+
+
+def _threads(monkeypatch, tasks: int) -> None:
+    """The compiled moves split into `tasks` ranges (however small)."""
+    monkeypatch.setattr(compiled, "TRANSPOSE_TASK", 1 if tasks > 1 else 1 << 30)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: tasks)
+
+
+@pytest.mark.parametrize("tasks", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_gathered_holds_index_selects_bits(tasks, dtype, monkeypatch):
+    _threads(monkeypatch, tasks)
+    wide = (torch.randn(60, 80) * 100).to(dtype)
+    src = wide[:, 3:70]  # rows of stride 80
+    rows, cols = torch.randperm(60)[:45], torch.randint(0, 67, (90,))  # columns repeat
+    assert torch.equal(compiled.gathered(src, rows, cols), src.index_select(0, rows).index_select(1, cols))
+    assert compiled.gathered(src.to(torch.bfloat16), rows, cols) is None  # 4-byte elements only
+    assert compiled.gathered(src.t(), cols[:10], rows) is None  # rows of unit stride only
+
+
+@pytest.mark.parametrize("tasks", [1, 2, 5])
+@pytest.mark.parametrize("to_upper", [False, True])
+def test_mirror_copies_one_strict_triangle_onto_the_other(tasks, to_upper, monkeypatch):
+    _threads(monkeypatch, tasks)
+    wide = torch.randn(70, 75)
+    A = wide[:, 2:72]  # [70, 70], rows of stride 75
+    before = wide.clone()
+    assert compiled.mirror_(A, to_upper=to_upper)
+    kept = A.tril() if to_upper else A.triu()  # the triangle read, diagonal included, unchanged
+    assert torch.equal(kept, (before[:, 2:72].tril() if to_upper else before[:, 2:72].triu()))
+    assert torch.equal(A, A.t())
+    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 72:], before[:, 72:])
+    assert not compiled.mirror_(torch.randn(4, 5)) and not compiled.mirror_(torch.randn(4, 4).half())
+
+
+@pytest.mark.parametrize("tasks", [1, 3])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_reverse_is_flip_in_place(tasks, layout, monkeypatch):
+    _threads(monkeypatch, tasks)
+    A = torch.randn(37, 29)
+    A = A if layout == "rows" else A.t().contiguous().t()
+    expected = A.flip((0, 1))
+    assert compiled.reverse_(A) and torch.equal(A, expected) and A.stride() == expected.stride()
+    assert not compiled.reverse_(torch.randn(6, 8)[:, :5])  # not dense
+    assert not compiled.reverse_(torch.randn(6, 8).bfloat16())
+
+
+def test_the_torch_steps_give_the_compiled_moves_bits(monkeypatch):
+    # where the compiled moves do not apply (a GPU, no compiler), the torch steps run:
+    # the Hessian's mirror, the Cholesky's triangle copies and flip, GPTQ's reversed copy
+    from ptq.algorithms import cholesky, gptq as gptq_module
+    from ptq.calibration.observers import _mirror_
+
+    W, _, H = _problem(out=64, inp=300, seed=7)
+    H = H.triu()  # the observer's sum before its mirror
+    order = torch.randperm(300)
+    dead = torch.zeros(300, dtype=torch.bool)
+
+    def steps():
+        mirrored = _mirror_(H.clone())
+        Hr = gptq_module._reversed_copy(mirrored, order, dead)
+        Hinv, damp, failure = cholesky.inverse_cholesky(Hr.clone(), 0.01)
+        kept = Hr.clone()
+        cholesky._lower_into_upper_(kept)
+        restored = kept.clone()
+        cholesky._upper_into_lower_(restored)
+        return mirrored, Hr, Hinv, kept, restored, cholesky.flip_(Hr.clone())
+
+    fast = steps()
+    for name in ("mirror_", "reverse_"):
+        monkeypatch.setattr(compiled, name, lambda *a, **k: False)
+    monkeypatch.setattr(compiled, "gathered", lambda *a, **k: None)
+    for a, b in zip(fast, steps()):
+        assert torch.equal(a, b) and a.stride() == b.stride()
