@@ -241,7 +241,7 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
         return None
     if not (same or (src.dtype == torch.bfloat16 and dtype == torch.float32)):
         return None
-    R, C = (None if t is None else t.to(torch.int64).contiguous() for t in (rows, cols))
+    R, C = _indices(rows, src.shape[0]), _indices(cols, src.shape[1])
     nj = src.shape[0] if R is None else R.numel()
     ni = src.shape[1] if C is None else C.numel()
     out = torch.empty(ni, nj, dtype=dtype)
@@ -255,6 +255,17 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr())
                   for i0, i1 in zip(cuts, cuts[1:]) if i1 > i0], tasks)
     return out
+
+
+def _indices(index: Tensor | None, size: int) -> Tensor | None:
+    """index as contiguous int64 positions among `size`, checked (the C code reads them as
+    they are)."""
+    if index is None:
+        return None
+    index = index.to(torch.int64).contiguous()
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < size):
+        raise IndexError(f"indices from {int(index.min())} to {int(index.max())} do not all fall in [0, {size})")
+    return index
 
 
 def _moves(A: Tensor) -> ctypes.CDLL | None:
@@ -280,7 +291,7 @@ def gathered(src: Tensor, rows: Tensor, cols: Tensor) -> Tensor | None:
     lib = _moves(src)
     if lib is None:
         return None
-    R, C = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
+    R, C = _indices(rows, src.shape[0]), _indices(cols, src.shape[1])
     out = torch.empty(R.numel(), C.numel(), dtype=src.dtype)
     cpu_parallel([functools.partial(lib.ptq_gather_32, src.data_ptr(), src.stride(0), R.data_ptr(), C.data_ptr(),
                                     i0, i1, C.numel(), out.data_ptr()) for i0, i1 in _ranges(R.numel(), out.numel())],

@@ -45,6 +45,14 @@ def test_transposed_copy_holds_torch_bits(dtype, target, picks, tasks, monkeypat
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))  # bits, NaN or not
 
 
+def test_indices_out_of_range_raise_before_the_compiled_copy_reads_them():
+    src = torch.randn(5, 7)
+    with pytest.raises(IndexError, match=r"\[0, 5\)"):
+        compiled.transposed(src, rows=torch.tensor([0, 5]))
+    with pytest.raises(IndexError, match=r"\[0, 7\)"):
+        compiled.gathered(src, torch.tensor([1]), torch.tensor([-1, 2]))
+
+
 def test_transposed_copy_declines_what_it_does_not_do():
     assert compiled.transposed(torch.randn(4, 6).half(), dtype=torch.float32) is None  # only bf16 widens
     assert compiled.transposed(torch.randn(4, 6).t()) is None  # columns of unit stride only
