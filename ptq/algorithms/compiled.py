@@ -236,10 +236,8 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     compiled copy does not apply (use torch): another device, a conversion other than
     bf16 to float32, or no compiled library."""
     dtype = src.dtype if dtype is None else dtype
-    same = dtype == src.dtype and not src.is_complex() and src.element_size() in (1, 2, 4)
-    if src.device.type != "cpu" or src.dim() != 2 or src.stride(1) != 1 or library()[0] is None:
-        return None
-    if not (same or (src.dtype == torch.bfloat16 and dtype == torch.float32)):
+    lib = _moves(src, sizes=(1, 2, 4))
+    if lib is None or not (dtype == src.dtype or (src.dtype == torch.bfloat16 and dtype == torch.float32)):
         return None
     R, C = _indices(rows, src.shape[0]), _indices(cols, src.shape[1])
     nj = src.shape[0] if R is None else R.numel()
@@ -247,13 +245,11 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     out = torch.empty(ni, nj, dtype=dtype)
     if out.numel() == 0:
         return out
-    copy = getattr(library()[0], _TRANSPOSES[src.element_size(), out.element_size()])
+    copy = getattr(lib, _TRANSPOSES[src.element_size(), out.element_size()])
     pointers = (src.data_ptr(), src.stride(0), None if R is None else R.data_ptr(),
                 None if C is None else C.data_ptr())
-    tasks = max(1, min(torch.get_num_threads(), out.numel() // TRANSPOSE_TASK))
-    cuts = [ni * t // tasks for t in range(tasks + 1)]
-    cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr())
-                  for i0, i1 in zip(cuts, cuts[1:]) if i1 > i0], tasks)
+    cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr()) for i0, i1 in _ranges(ni, out.numel())],
+                 torch.get_num_threads())
     return out
 
 
@@ -268,11 +264,11 @@ def _indices(index: Tensor | None, size: int) -> Tensor | None:
     return index
 
 
-def _moves(A: Tensor) -> ctypes.CDLL | None:
-    """The library where transpose.c's 32-bit moves apply to A (a CPU matrix of 4-byte
-    real elements, rows of unit stride), else None."""
+def _moves(A: Tensor, sizes: tuple[int, ...] = (4,)) -> ctypes.CDLL | None:
+    """The library where transpose.c's moves apply to A (a CPU matrix of real elements of
+    one of these sizes in bytes, rows of unit stride), else None."""
     lib = library()[0]
-    ok = A.device.type == "cpu" and A.dim() == 2 and A.element_size() == 4 and not A.is_complex()
+    ok = A.device.type == "cpu" and A.dim() == 2 and A.element_size() in sizes and not A.is_complex()
     return lib if ok and A.stride(1) == 1 else None
 
 

@@ -50,7 +50,7 @@ class _Batch:
     def __init__(self, device: torch.device):
         self.device = device
         self._local = threading.local()
-        self.last_pass = False  # the block's final pass runs: replays are handed over and forgotten
+        self.last_pass = False  # the block's final pass runs: claimed norm outputs are handed over and forgotten
 
     @property
     def index(self) -> int:
@@ -87,7 +87,7 @@ class _Replay(nn.Module):
         self.last_use = last_use  # no later pass replays these: hand each over and forget it
 
     def forward(self, *_args, **_kwargs):
-        if self.last_use or self.batch.last_pass:
+        if self.last_use:
             output, self.outputs[self.batch.index] = self.outputs[self.batch.index], None
             return _fetch(output, self.batch.device, copy=False)
         # a copy, so in-place ops downstream cannot corrupt what the next pass replays
@@ -400,7 +400,7 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
         return _with_hidden(args, kwargs, run.keep(_hidden(run.block(*args, **kwargs))))
 
     batch.last_pass = True
-    with _replaying(run.block, replays, batch), cached_weight(run.block):
+    with _replaying(run.block, replays, batch, last_use=frozenset(replays)), cached_weight(run.block):
         return list(run.map_batches(final))
 
 
@@ -414,10 +414,15 @@ def _last_used(replays: dict[str, list], returns: dict[str, tuple[str, int]], li
     singles = [name for name in replays if name in linears]
     if last:
         return frozenset(singles)
-    after = done | set(stage)  # quantized once this stage is, each with a replay
-    whole = [name for name, (linear, _) in returns.items()
-             if (linear in replays or linear in stage) and _complete(name, linears, after)]
+    replayed, after = set(replays) | set(stage), done | set(stage)  # once the stage is quantized
+    whole = [name for name, (linear, _) in returns.items() if _returns_whole(name, linear, replayed, linears, after)]
     return frozenset(n for n in singles if any(n.startswith(name + ".") for name in whole))
+
+
+def _returns_whole(name: str, linear: str, replayed, linears: dict[str, nn.Linear], done: set[str]) -> bool:
+    """Whether submodule `name`, which returns `linear`'s output as is, is to be replayed
+    whole: that Linear is replayed and every Linear inside the submodule quantized."""
+    return linear in replayed and _complete(name, linears, done)
 
 
 def _replay_returning_modules(
@@ -426,7 +431,7 @@ def _replay_returning_modules(
     """A submodule that returns its last Linear's output (self_attn returns o_proj's) is
     replayed whole as soon as all its Linears are quantized: no pass recomputes it."""
     for name, (linear, length) in sorted(returns.items(), key=lambda item: len(item[0])):
-        if linear in replays and _complete(name, linears, done):
+        if _returns_whole(name, linear, replays, linears, done):
             outputs = [(out,) + (None,) * (length - 1) if length else out for out in replays[linear]]
             _replay_whole(replays, done, name, outputs)
 

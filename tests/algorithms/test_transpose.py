@@ -128,7 +128,6 @@ def test_the_torch_steps_give_the_compiled_moves_bits(monkeypatch):
     # where the compiled moves do not apply (a GPU, no compiler), the torch steps run:
     # the Hessian's mirror, the Cholesky's triangle copies and flip, GPTQ's reversed copy
     from ptq.algorithms import cholesky, gptq as gptq_module
-    from ptq.calibration.observers import _mirror_
 
     W, _, H = _problem(out=64, inp=300, seed=7)
     H = H.triu()  # the observer's sum before its mirror
@@ -136,13 +135,13 @@ def test_the_torch_steps_give_the_compiled_moves_bits(monkeypatch):
     dead = torch.zeros(300, dtype=torch.bool)
 
     def steps():
-        mirrored = _mirror_(H.clone())
+        mirrored = cholesky.mirror_triangle_(H.clone())
         Hr = gptq_module._reversed_copy(mirrored, order, dead)
         Hinv, damp, failure = cholesky.inverse_cholesky(Hr.clone(), 0.01)
         kept = Hr.clone()
-        cholesky._lower_into_upper_(kept)
+        cholesky.mirror_triangle_(kept, to_upper=True)
         restored = kept.clone()
-        cholesky._upper_into_lower_(restored)
+        cholesky.mirror_triangle_(restored)
         return mirrored, Hr, Hinv, kept, restored, cholesky.flip_(Hr.clone())
 
     fast = steps()
