@@ -175,7 +175,8 @@ def quantize(
         report.cpu = cpu_settings()
         if report.compute_dtype == torch.bfloat16 and weights_use_calibration(recipe):
             # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)
-            report.cpu["bf16_hessians"] = "AMX tiles (compiled)" if compiled.amx() else "oneDNN GEMMs"
+            kernel = compiled.gram_kernel()
+            report.cpu["bf16_hessians"] = f"{kernel} (compiled)" if kernel else "oneDNN GEMMs"
         if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"

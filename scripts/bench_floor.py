@@ -173,8 +173,8 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
         + 2 * seq * q / attention_rate)  # scores and weighted sum
     flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * seq * q)
 
-    def tiles(n: int) -> bool:  # ptq sums bf16 inputs on AMX tiles here
-        return dtype == torch.bfloat16 and n % 32 == 0 and compiled.amx()
+    def tiles(n: int) -> bool:  # ptq sums bf16 inputs with its compiled Gram kernel here
+        return dtype == torch.bfloat16 and n % 32 == 0 and compiled.gram_kernel() is not None
 
     def hessian_seconds(n: int) -> float:
         rate = rates.gemm(n, m, n, torch.float32)

@@ -1,7 +1,8 @@
 """ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
 gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packing
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
-(ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm), and
+(ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
+for Hessians on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (GramTiles), and
 moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
 copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
 One library, built at install when a C compiler is there (setup.py); without one ptq
@@ -9,9 +10,10 @@ installs all the same, runs the torch references, and the report says so.
 
 The loops do the float32 steps of the torch references (no fused multiply-adds formed by
 the compiler, sums in a fixed order), so their bits do not depend on the CPU or on how
-threads share the work. The AMX sums run only where the CPU has AMX; they are float32
-sums in another order than the oneDNN GEMMs used elsewhere, so a checkpoint made with
-them may differ in the last bits from one made on a CPU without AMX.
+threads share the work. The AMX sums run only where the CPU has AMX, the VDPBF16PS ones
+where it has AVX512-BF16 and no AMX; they are float32 sums in other orders than the oneDNN
+GEMMs used elsewhere, so a checkpoint made with them may differ in the last bits from one
+made on another kind of CPU.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_pack.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P]
     lib.ptq_gram_amx.restype = None
     lib.ptq_gram_amx.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _I]
+    lib.ptq_avx512bf16_available.restype = ctypes.c_int
+    lib.ptq_avx512bf16_available.argtypes = []
+    lib.ptq_gram_avx512.restype = None
+    lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I]
     lib.ptq_gram_quadratic.restype = ctypes.c_double
     lib.ptq_gram_quadratic.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_pack.restype = None
@@ -151,17 +157,36 @@ def _amx_granted(lib: ctypes.CDLL) -> bool:
     return bool(lib.ptq_amx_available())
 
 
+def gram_kernel() -> str | None:
+    """How GramTiles sums bf16 products here: "AMX" (tiles), "AVX512-BF16" (VDPBF16PS, on
+    a CPU that has it without AMX), or None (no such CPU, or the library is not built)."""
+    lib = library()[0]
+    if lib is None:
+        return None
+    if _amx_granted(lib):
+        return "AMX"
+    return "AVX512-BF16" if _avx512_bf16(lib) else None
+
+
+@functools.cache
+def _avx512_bf16(lib: ctypes.CDLL) -> bool:
+    return bool(lib.ptq_avx512bf16_available())
+
+
 class GramTiles:
     """Buffers for up to `capacity` tokens of n features (bf16, n a multiple of 32) laid out
     as AMX tiles (gram_amx.c), reused chunk after chunk: load(X) takes a chunk X [T, n],
     pack(f0, f1) lays out its feature blocks [f0, f1) of 16 (callers may split them across
-    threads), then gram_rows adds its XᵀX to rows of a sum."""
+    threads), then gram_rows adds its XᵀX to rows of a sum, on AMX tiles or, where the CPU
+    has AVX512-BF16 and no AMX, with VDPBF16PS from the B tiles alone (gram_kernel)."""
 
     def __init__(self, capacity: int, features: int):
-        assert amx() and features % 32 == 0
+        self.kernel = gram_kernel()
+        assert self.kernel and features % 32 == 0
         self.features, self.stride = features, -(-capacity // 32)  # tiles per block of 16 features
         self.XV = torch.empty(self.stride * 32 * features, dtype=torch.bfloat16)  # B tiles
-        self.XT = torch.empty(self.stride * 32 * features, dtype=torch.bfloat16)  # A tiles
+        # A tiles (AMX only)
+        self.XT = torch.empty(self.stride * 32 * features if self.kernel == "AMX" else 0, dtype=torch.bfloat16)
         self.X, self.padded = None, 0
 
     def load(self, X: Tensor) -> None:
@@ -171,7 +196,7 @@ class GramTiles:
 
     def pack(self, f0: int, f1: int) -> None:
         library()[0].ptq_gram_pack(self.X.data_ptr(), self.X.shape[0], self.X.stride(0), self.padded, self.stride,
-                                   f0, f1, self.XV.data_ptr(), self.XT.data_ptr())
+                                   f0, f1, self.XV.data_ptr(), self.XT.data_ptr() if self.XT.numel() else None)
 
     def gram_rows(self, total: Tensor, i0: int, i1: int) -> None:
         """total[i0:i1, i0:] += X[:, i0:i1]ᵀ X[:, i0:] in the 32 x 32 blocks on and above the
@@ -179,8 +204,12 @@ class GramTiles:
         n = self.features
         assert total.dtype == torch.float32 and total.shape == (n, n) and total.is_contiguous()
         assert i0 % 32 == 0 and i1 % 32 == 0 and 0 <= i0 < i1 <= n
-        library()[0].ptq_gram_amx(self.XV.data_ptr(), self.XT.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
-                                  total.data_ptr(), n)
+        if self.kernel == "AMX":
+            library()[0].ptq_gram_amx(self.XV.data_ptr(), self.XT.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
+                                      total.data_ptr(), n)
+        else:
+            library()[0].ptq_gram_avx512(self.XV.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
+                                         total.data_ptr(), n)
 
 
 class QuadraticForm:

@@ -1,7 +1,7 @@
-"""Hessians of bf16 inputs on AMX tiles (ptq/calibration/gram_amx.c, compiled.GramTiles),
-on CPUs that have AMX: the tile layouts against torch, and the observer's H against the
-exact product and against its oneDNN path, for partial tiles, several flushes and inputs
-that change dtype."""
+"""Hessians of bf16 inputs summed by compiled code (ptq/calibration/gram_amx.c,
+compiled.GramTiles), on CPUs that have AMX (tiles) or AVX512-BF16 (VDPBF16PS): the tile
+layouts against torch, and the observer's H against the exact product and against its
+oneDNN path, for partial tiles, several flushes and inputs that change dtype."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from ptq.algorithms import compiled
 from ptq.calibration.observers import HessianObserver
 
-pytestmark = pytest.mark.skipif(not compiled.amx(), reason="this CPU (or its OS) does not give AMX tiles")
+pytestmark = pytest.mark.skipif(compiled.gram_kernel() is None,
+                                reason="this CPU (or its OS) has neither AMX tiles nor AVX512-BF16")
 
 
 def _inputs(tokens: int, features: int, seed: int = 0) -> torch.Tensor:
@@ -33,7 +34,11 @@ def test_tiles_are_the_layouts_amx_multiplies(tokens):
     # B tiles [features/16][Tp/32][16 token pairs][16 features][2]; A tiles [features/16][Tp/32][16][32]
     XV = padded.view(-1, 16, 2, 6, 16).permute(3, 0, 1, 4, 2).reshape(-1)
     XT = padded.view(-1, 32, 6, 16).permute(2, 0, 3, 1).reshape(-1)
-    assert torch.equal(tiles.XV[:XV.numel()], XV) and torch.equal(tiles.XT[:XT.numel()], XT)
+    assert torch.equal(tiles.XV[:XV.numel()], XV)
+    if compiled.gram_kernel() == "AMX":
+        assert torch.equal(tiles.XT[:XT.numel()], XT)
+    else:  # VDPBF16PS reads the B tiles alone
+        assert tiles.XT.numel() == 0
 
 
 def test_gram_rows_add_to_the_blocks_on_and_above_the_diagonal_of_the_rows_asked_for():
@@ -54,21 +59,37 @@ def test_gram_rows_add_to_the_blocks_on_and_above_the_diagonal_of_the_rows_asked
     assert torch.equal(total[untouched], torch.ones(int(untouched.sum())))
 
 
+def test_the_sums_do_not_depend_on_how_rows_are_split():
+    X = _inputs(300, 160, seed=2)  # 160 features: column runs of 48, 32 and 16 wide
+    tiles = compiled.GramTiles(300, 160)
+    tiles.load(X)
+    tiles.pack(0, 10)
+    whole, split = torch.zeros(160, 160), torch.zeros(160, 160)
+    tiles.gram_rows(whole, 0, 160)
+    for a, b in [(0, 32), (32, 96), (96, 160)]:
+        tiles.gram_rows(split, a, b)
+    assert torch.equal(whole, split)
+    exact = X.double().t() @ X.double()
+    upper = torch.ones(5, 5).triu().repeat_interleave(32, 0).repeat_interleave(32, 1).bool()
+    assert float((whole.double() - exact)[upper].abs().max()) < 2**-20 * float(exact.abs().max())
+    assert torch.equal(whole[~upper], torch.zeros(int((~upper).sum())))
+
+
 @pytest.mark.parametrize("features", [64, 576, 1536])
-def test_amx_hessian_is_float32_accurate_over_several_flushes(features):
+def test_compiled_hessian_is_float32_accurate_over_several_flushes(features):
     # 5000 tokens: two full flushes of PENDING_TOKENS and a partial one, in batches of 1000
     x = _inputs(5000, features, seed=features)
     observer = HessianObserver()
     for batch in x.split(1000):
         observer.update(batch)
-    assert observer._amx
+    assert observer._on_tiles
     exact = 2 * x.double().t() @ x.double() / 5000
     H = observer.value
     assert torch.equal(H, H.t())
     assert float((H.double() - exact).abs().max() / exact.abs().max()) < 1e-6
 
 
-def test_amx_and_onednn_paths_agree(monkeypatch):
+def test_compiled_and_onednn_paths_agree(monkeypatch):
     x = _inputs(3000, 256, seed=5)
 
     def hessian() -> torch.Tensor:
@@ -77,7 +98,7 @@ def test_amx_and_onednn_paths_agree(monkeypatch):
         return observer.value
 
     on_tiles = hessian()
-    monkeypatch.setattr(compiled, "amx", lambda: False)
+    monkeypatch.setattr(compiled, "gram_kernel", lambda: None)
     with_onednn = hessian()
     # both sum exact bf16 products in float32, in other orders
     assert float((on_tiles - with_onednn).abs().max() / with_onednn.abs().max()) < 1e-6
@@ -102,15 +123,16 @@ def test_the_report_names_how_bf16_hessians_were_summed(monkeypatch):
 
     if not cpu_bf16_is_fast():
         pytest.skip("ptq computes in float32 on this CPU")
-    assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "AMX tiles (compiled)"
-    monkeypatch.setattr(compiled, "amx", lambda: False)
+    assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == f"{compiled.gram_kernel()} (compiled)"
+    monkeypatch.setattr(compiled, "gram_kernel", lambda: None)
     assert report_of("w4a16-gptq.yaml").cpu["bf16_hessians"] == "oneDNN GEMMs"
 
 
 def test_inputs_and_tiles_held_stay_within_pending_bytes(monkeypatch):
     # 6 bytes per token and feature on the AMX path (bf16 inputs and their two layouts),
-    # against 4 (float32 inputs) elsewhere: fewer tokens per flush, the same memory
-    monkeypatch.setattr(HessianObserver, "PENDING_BYTES", 6 * 64 * 100)
+    # 4 with VDPBF16PS (one layout), as for float32 inputs: fewer tokens per flush on AMX
+    per_token = 6 if compiled.gram_kernel() == "AMX" else 4
+    monkeypatch.setattr(HessianObserver, "PENDING_BYTES", per_token * 64 * 100)
     x = _inputs(250, 64, seed=7)
     observer = HessianObserver()
     observer.update(x)  # flushes 100 and 100 tokens, keeps 50

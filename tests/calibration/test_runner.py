@@ -187,7 +187,7 @@ def test_a_whole_chunk_is_summed_where_it_is_with_the_same_bits(dtype, monkeypat
     monkeypatch.setattr(HessianObserver, "_sum", lambda self, chunk: summed.append(chunk.data_ptr()) or original(self, chunk))
     whole.update(x[:cap + 50])  # a whole chunk, then 50 tokens pending
     whole.update(x[cap + 50:])
-    if dtype == torch.bfloat16 and not whole._amx:
+    if dtype == torch.bfloat16 and not whole._on_tiles:
         assert summed[0] != x.data_ptr()  # bf16 values summed as float32: the pending buffer converts them
     else:
         assert summed[0] == x.data_ptr()  # not copied
