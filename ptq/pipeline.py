@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ptq import moe
+from ptq import cpu_attention, moe
 from ptq.algorithms import compiled
 from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
@@ -177,6 +177,8 @@ def quantize(
             # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)
             kernel = compiled.gram_kernel()
             report.cpu["bf16_hessians"] = f"{kernel} (compiled)" if kernel else "oneDNN GEMMs"
+            # the calibration passes' causal attention (ptq/cpu_attention.py)
+            report.cpu["calibration_attention"] = "compiled" if cpu_attention.applies(model) else "the model's own"
         if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"

@@ -76,6 +76,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_avx512bf16_available.argtypes = []
     lib.ptq_gram_avx512.restype = None
     lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I]
+    lib.ptq_attention_causal.restype = ctypes.c_int
+    lib.ptq_attention_causal.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _F]
     lib.ptq_gram_quadratic.restype = ctypes.c_double
     lib.ptq_gram_quadratic.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_pack.restype = None

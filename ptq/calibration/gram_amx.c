@@ -115,8 +115,8 @@ __attribute__((target("avx512f,avx2"))) void ptq_gram_pack(const uint16_t *X, in
 
 int ptq_avx512bf16_available(void) {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((b >> 16) & 1)) /* AVX512F */
-        return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((b >> 16) & 1) || !((b >> 30) & 1) || !((b >> 31) & 1))
+        return 0; /* AVX512F, BW and VL (ptq/cpu_attention.c uses all three) */
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) /* AVX512_BF16 */
         return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) /* OSXSAVE: xgetbv may run */

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ptq.calibration.observers import Observer
+from ptq.cpu_attention import compiled_attention
 from ptq.devices import map_side_by_side
 from ptq.modules import cached_weight
 
@@ -398,7 +399,8 @@ def run_blocks(
             start_hidden = list(torch.cat(start_hidden).split(batch_size))
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(store)) for (args, kwargs), h in zip(inputs, start_hidden)]
-    with tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
+    with compiled_attention(model) as attention, \
+            tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
         for index in range(start, len(blocks)):
             block = blocks[index]
             inputs = [_with_hidden(args, kwargs[index], _hidden_of(args, kw))
@@ -421,6 +423,8 @@ def run_blocks(
             if weights is not None:
                 weights.done(f"{blocks_path}.{index}")
             bar.update()
+    if attention is not None and notes is not None and attention.note():
+        notes.append(attention.note())
     _move_all_but_blocks(model, blocks, home)  # embeddings, final norm, head: back home
 
 

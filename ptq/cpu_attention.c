@@ -1,0 +1,206 @@
+/* Causal self-attention of bf16 queries, keys and values on a CPU with AVX512-BF16,
+   compiled: the calibration passes' attention (ptq/cpu_attention.py, whose torch reference is
+   torch's scaled_dot_product_attention with is_causal, as transformers' "sdpa" calls it).
+
+   Per sample and key-value head, the keys are laid out as pairs of dimensions
+   Kp [D/2][S16][2] (16 keys per vector) and the values as pairs of positions
+   Vp [S2/2][D][2], zeros past the sequence; each query head of the group then runs, 8
+   query rows at a time:
+
+   - scores s = (q · k) · scale in float32 (VDPBF16PS: exact products of bf16 values, summed
+     in float32) for the keys up to the block's last row;
+   - each row's softmax: m = max over its keys j <= i, p = exp(s - m) in float32 (exp_v:
+     within 2 ulp of expf), the sum of the p in float32, and the p rounded to bf16 for
+     the product with V (as torch's CPU flash kernel does);
+   - o = (Σ p v) / sum in float32 (VDPBF16PS), rounded to bf16 (to nearest even).
+
+   Every output depends only on its own row's numbers, in a fixed order: the same bits
+   however samples and heads are split across threads or calls. They differ from torch's
+   kernel in the last bits (other blocks of sums, another exp). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
+#include <immintrin.h>
+
+enum { ROWS = 8 };
+
+/* e^x in float32 for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+   polynomial in r, times 2^n); x below -87 gives about 2^-126 (a negligible weight) */
+__attribute__((target("avx512f"))) static inline __m512 exp_v(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* 16 float32 -> 16 bf16, to nearest even (finite values) */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* scores [ROWS][ld] = (Q rows · keys [j, j + 16 C)) · scale, from Kp (pairs of dimensions) */
+__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
+scores_block(const uint32_t *const q[ROWS], const uint16_t *Kp, int64_t S16, int64_t D, int64_t j, int C, float scale,
+             float *scores, int64_t ld) {
+    __m512 acc[ROWS][3];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D / 2; d++) {
+        __m512bh k[3];
+        for (int c = 0; c < C; c++)
+            k[c] = (__m512bh)_mm512_loadu_si512((const void *)(Kp + (d * S16 + j + 16 * c) * 2));
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)q[r][d]);
+            for (int c = 0; c < C; c++)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < C; c++)
+            _mm512_storeu_ps(scores + r * ld + j + 16 * c, _mm512_mul_ps(acc[r][c], s));
+}
+
+/* out rows [ROWS] of dimensions [dc, dc + 32) = Σ_j P[r][j] v[j] / sums[r], j < 2 pairs */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"), always_inline)) static inline void
+values_block(const uint16_t *P, int64_t ldp, const uint16_t *Vp, int64_t D, int64_t pairs, int64_t dc,
+             const float *sums, uint16_t *const out[ROWS], int rows) {
+    __m512 acc[ROWS][2];
+    for (int r = 0; r < ROWS; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; t++) {
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(Vp + (t * D + dc) * 2));
+        const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(Vp + (t * D + dc + 16) * 2));
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P + r * ldp))[t]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, v0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, v1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 sum = _mm512_set1_ps(sums[r]);
+        _mm256_storeu_si256((__m256i *)(out[r] + dc), to_bf16_16(_mm512_div_ps(acc[r][0], sum)));
+        _mm256_storeu_si256((__m256i *)(out[r] + dc + 16), to_bf16_16(_mm512_div_ps(acc[r][1], sum)));
+    }
+}
+
+/* One query head against its key-value head's packed keys and values. */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void
+head(const uint16_t *Q, int64_t qs, uint16_t *O, int64_t os, const uint16_t *Kp, const uint16_t *Vp, int64_t S,
+     int64_t S16, int64_t D, float scale, float *scores, uint16_t *P, int64_t ldp) {
+    for (int64_t i0 = 0; i0 < S; i0 += ROWS) {
+        const int rows = S - i0 < ROWS ? (int)(S - i0) : ROWS;
+        const uint32_t *q[ROWS];
+        uint16_t *out[ROWS];
+        for (int r = 0; r < ROWS; r++) { /* rows past the sequence repeat its last (not stored) */
+            const int64_t i = r < rows ? i0 + r : i0 + rows - 1;
+            q[r] = (const uint32_t *)(Q + i * qs);
+            out[r] = O + i * os;
+        }
+        const int64_t keys = i0 + rows, cols = (keys + 15) / 16 * 16, pairs = (keys + 1) / 2;
+        int64_t j = 0;
+        for (; j + 48 <= cols; j += 48)
+            scores_block(q, Kp, S16, D, j, 3, scale, scores, S16);
+        if (j + 32 <= cols)
+            scores_block(q, Kp, S16, D, j, 2, scale, scores, S16);
+        else if (j < cols)
+            scores_block(q, Kp, S16, D, j, 1, scale, scores, S16);
+        float sums[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            float *s = scores + r * S16;
+            uint16_t *p = P + r * ldp;
+            if (r >= rows) { /* no output: weights zero */
+                memset(p, 0, (size_t)pairs * 4);
+                sums[r] = 1.0f;
+                continue;
+            }
+            const int64_t n = i0 + r + 1; /* keys 0 .. i */
+            __m512 m = _mm512_set1_ps(-__builtin_inff());
+            for (int64_t k = 0; k < n; k += 16) {
+                const __mmask16 valid = n - k >= 16 ? 0xFFFF : (__mmask16)((1u << (n - k)) - 1);
+                m = _mm512_mask_max_ps(m, valid, m, _mm512_loadu_ps(s + k));
+            }
+            const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t k = 0; k < 2 * pairs; k += 16) {
+                const __mmask16 valid = n - k >= 16 ? 0xFFFF : n > k ? (__mmask16)((1u << (n - k)) - 1) : 0;
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp_v(_mm512_sub_ps(_mm512_loadu_ps(s + k), max)));
+                total = _mm512_add_ps(total, e);
+                const __m256i b = to_bf16_16(e);
+                if (2 * pairs - k >= 16)
+                    _mm256_storeu_si256((__m256i *)(p + k), b);
+                else
+                    _mm256_mask_storeu_epi16(p + k, (__mmask16)((1u << (2 * pairs - k)) - 1), b);
+            }
+            float lanes[16], sum = 0;
+            _mm512_storeu_ps(lanes, total);
+            for (int l = 0; l < 16; l++)
+                sum += lanes[l];
+            sums[r] = sum;
+        }
+        for (int64_t dc = 0; dc < D; dc += 32)
+            values_block(P, ldp, Vp, D, pairs, dc, sums, out, rows);
+    }
+}
+
+/* O[b, h] = causal attention of Q[b, h] on K[b, h / group], V[b, h / group] for the samples
+   [b0, b1) and every head; tensors bf16 with unit stride along D and the given strides
+   (elements) for sample, head and position; D a multiple of 32. 0, or -1 when memory for
+   the layouts could not be had. */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) int
+ptq_attention_causal(const uint16_t *Q, const uint16_t *K, const uint16_t *V, uint16_t *O, int64_t b0, int64_t b1,
+                     int64_t H, int64_t KVH, int64_t S, int64_t D, const int64_t *strides, float scale) {
+    const int64_t qb = strides[0], qh = strides[1], qs = strides[2], kb = strides[3], kh = strides[4],
+                  ks = strides[5], vb = strides[6], vh = strides[7], vs = strides[8], ob = strides[9],
+                  oh = strides[10], os = strides[11];
+    const int64_t S16 = (S + 15) / 16 * 16, S2 = (S + 1) / 2 * 2, ldp = S16 + 16, group = H / KVH;
+    uint16_t *Kp = calloc((size_t)(D / 2 * S16 * 2), 2), *Vp = calloc((size_t)(S2 * D), 2);
+    uint16_t *P = calloc((size_t)(ROWS * ldp), 2);
+    float *scores = calloc((size_t)(ROWS * S16), 4);
+    if (!Kp || !Vp || !P || !scores) {
+        free(Kp), free(Vp), free(P), free(scores);
+        return -1;
+    }
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t g = 0; g < KVH; g++) {
+            const uint16_t *k = K + b * kb + g * kh, *v = V + b * vb + g * vh;
+            for (int64_t j = 0; j < S; j++) /* Kp[d/2][j][2] */
+                for (int64_t d = 0; d < D / 2; d++)
+                    ((uint32_t *)Kp)[d * S16 + j] = ((const uint32_t *)(k + j * ks))[d];
+            for (int64_t j = 0; j < S; j++) /* Vp[j/2][d][2] */
+                for (int64_t d = 0; d < D; d++)
+                    Vp[((j / 2) * D + d) * 2 + j % 2] = v[j * vs + d];
+            for (int64_t h = g * group; h < (g + 1) * group; h++)
+                head(Q + b * qb + h * qh, qs, O + b * ob + h * oh, os, Kp, Vp, S, S16, D, scale, scores, P, ldp);
+        }
+    free(Kp), free(Vp), free(P), free(scores);
+    return 0;
+}
+
+#else /* not built for this CPU: ptq/cpu_attention.py keeps torch's kernel */
+
+int ptq_attention_causal(const uint16_t *Q, const uint16_t *K, const uint16_t *V, uint16_t *O, int64_t b0, int64_t b1,
+                         int64_t H, int64_t KVH, int64_t S, int64_t D, const int64_t *strides, float scale) {
+    (void)Q, (void)K, (void)V, (void)O, (void)b0, (void)b1, (void)H, (void)KVH, (void)S, (void)D, (void)strides;
+    (void)scale;
+    return -2;
+}
+
+#endif
