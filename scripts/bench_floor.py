@@ -3,13 +3,16 @@
 Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibration token:
 
 - forward: one pass of the block's Linears (q, k, v, o, gate, up, down) and attention
-  (scores and weighted sum over the whole sequence, as the CPU kernels compute it, at the
-  faster of one GEMM per head and sample and one bmm for a batch's), in
+  (scores and weighted sum over the keys at or before each query, (seq + 1) / 2 on
+  average: causal attention needs no more, and ptq's compiled attention computes about
+  that, in blocks of 8 queries; at the faster of one GEMM per head and sample and one bmm
+  for a batch's, full-size), in
   the compute dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
 - Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
   diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or at
   the bf16 rate where ptq multiplies bf16 values in bf16 with float32 sums (oneDNN's
-  float32 GEMMs of bf16 values, or AMX tiles; the faster counts);
+  float32 GEMMs of bf16 values, or ptq's compiled sums on AMX tiles or with VDPBF16PS;
+  the faster counts);
 
 and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
@@ -35,10 +38,12 @@ import torch
 BLOCK = 128  # GPTQ's block of columns (ptq's and llm-compressor's default)
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = 3, min_seconds: float = 0.05) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int = 5, min_seconds: float = 0.05) -> float:
     """Best time of one call over `repeats` timings, each long enough to measure, after as
     long a warm-up (oneDNN settles on its kernel for a shape over the first calls: a bmm
-    timed after one warm-up call measured 162 GFLOP/s, after more 1060)."""
+    timed after one warm-up call measured 162 GFLOP/s, after more 1060). Five timings, not
+    three: in one run three GEMM shapes measured 410 GFLOP/s against 750 in the run before
+    (the other core taken for a moment), which raised the floor by 40%."""
     start = time.perf_counter()
     while time.perf_counter() - start < min_seconds:
         fn()
@@ -170,8 +175,8 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
     forward = 2 * tokens * layers * (  # FLOPs at the GEMM rate of each Linear's shape
         h * (q + 2 * kv) / rates.gemm(m, h, q + 2 * kv, dtype) + q * h / rates.gemm(m, q, h, dtype)
         + 2 * h * i / rates.gemm(m, h, 2 * i, dtype) + i * h / rates.gemm(m, i, h, dtype)
-        + 2 * seq * q / attention_rate)  # scores and weighted sum
-    flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * seq * q)
+        + (seq + 1) * q / attention_rate)  # scores and weighted sum, causal: (seq + 1) / 2 keys each
+    flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i + (seq + 1) * q)
 
     def tiles(n: int) -> bool:  # ptq sums bf16 inputs with its compiled Gram kernel here
         return dtype == torch.bfloat16 and n % 32 == 0 and compiled.gram_kernel() is not None

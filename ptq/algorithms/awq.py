@@ -201,8 +201,8 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     tokens·in·out, for the weights' rows stacked into one W. The GEMM runs in the forward
     pass's precision: bf16 for bf16 weights (ΔW and G rounded to bf16, the products summed
     in float32, the GEMM's output rounded to bf16), float32 otherwise; the sum of the
-    products in float64 (its runs in float32 on a CPU; compiled.dot). On a CPU with AMX,
-    bf16 weights whose shape is a multiple of 32 take compiled.QuadraticForm instead: the
+    products in float64 (its runs in float32 on a CPU; compiled.dot). On a CPU with AMX or
+    AVX512-BF16, bf16 weights whose shape is a multiple of 32 take compiled.QuadraticForm instead: the
     same bf16 ΔW and G, the output not rounded (within 1e-7 of the exact loss, against
     about 1e-4), half the multiply-adds (G is symmetric) and no ΔW·G in memory: twice the
     GEMM's speed and more. Candidates go TASK_ELEMENTS weights to a task; on a CPU each
@@ -214,7 +214,7 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32  # float16 G would overflow
     W32 = W.float().contiguous()  # [out, in]
     compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
-    if compiled_grid and gemm_dtype == torch.bfloat16 and compiled.amx() and W.shape[0] % 32 == 0 \
+    if compiled_grid and gemm_dtype == torch.bfloat16 and compiled.gram_kernel() and W.shape[0] % 32 == 0 \
             and W.shape[1] % 32 == 0:
         form = compiled.QuadraticForm(gram)
     else:

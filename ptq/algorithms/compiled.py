@@ -80,6 +80,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_attention_causal.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _F]
     lib.ptq_gram_quadratic.restype = ctypes.c_double
     lib.ptq_gram_quadratic.argtypes = [_P, _I, _I, _P]
+    lib.ptq_gram_quadratic_avx512.restype = ctypes.c_double
+    lib.ptq_gram_quadratic_avx512.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_pack.restype = None
     lib.ptq_gram_quadratic_pack.argtypes = [_P, _I, _I, _I, _I, _P]
     lib.ptq_pack_int32.restype = None
@@ -216,12 +218,14 @@ class GramTiles:
 
 class QuadraticForm:
     """d -> Σ_r d_r G d_rᵀ for a fixed symmetric G [in, in] (rounded to bf16) and many
-    D [rows, in] (bf16; rows and in multiples of 32), on AMX tiles (gram_amx.c): the
-    32 x 32 blocks of G on and above the diagonal only, those above doubled (exact in
-    bf16), so half the multiply-adds of D·G; sums in float32 tiles, then float64."""
+    D [rows, in] (bf16; rows and in multiples of 32), on AMX tiles (gram_amx.c) or, on a
+    CPU with AVX512-BF16 and no AMX, with VDPBF16PS (gram_kernel): the 32 x 32 blocks of G
+    on and above the diagonal only, those above doubled (exact in bf16), so half the
+    multiply-adds of D·G; sums in float32 tiles or lanes, then float64."""
 
     def __init__(self, G: Tensor):
-        assert amx() and G.dim() == 2 and G.shape[0] == G.shape[1] and G.shape[0] % 32 == 0
+        self.kernel = gram_kernel()
+        assert self.kernel and G.dim() == 2 and G.shape[0] == G.shape[1] and G.shape[0] % 32 == 0
         G = G.float()
         assert G.stride(1) == 1
         self.features = n = G.shape[0]
@@ -235,7 +239,8 @@ class QuadraticForm:
     def of(self, D: Tensor) -> float:
         assert D.dtype == torch.bfloat16 and D.is_contiguous() and D.dim() == 2 and D.shape[1] == self.features
         assert D.shape[0] % 32 == 0
-        return library()[0].ptq_gram_quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
+        quadratic = library()[0].ptq_gram_quadratic if self.kernel == "AMX" else library()[0].ptq_gram_quadratic_avx512
+        return quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

@@ -323,6 +323,51 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
     return total;
 }
 
+/* ptq_gram_quadratic on a CPU with AVX512-BF16 and no AMX, from the same GV: 8 rows of D
+   at a time, each 32 x 32 block of D·G' summed in float32 lanes by VDPBF16PS (D's pairs
+   broadcast against GV's B tiles), times D's block; the products summed in float32 lanes
+   per 32 rows, then in float64, in a fixed order. */
+__attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(const uint16_t *D, int64_t rows,
+                                                                               int64_t in, const uint16_t *GV) {
+    const int64_t blocks = in / 32;
+    double total = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t r = r0; r < r0 + 32; r += GRAM_ROWS)
+            for (int64_t jb = 0; jb < blocks; jb++) {
+                __m512 acc[GRAM_ROWS][2];
+                for (int m = 0; m < GRAM_ROWS; m++)
+                    acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+                const uint16_t *g = GV + jb * blocks * 2 * TILE;
+                for (int64_t kb = 0; kb <= jb; kb++)
+                    for (int64_t p = 0; p < 16; p++) {
+                        const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + p * 32));
+                        const __m512bh v1 =
+                            (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + TILE + p * 32));
+                        for (int m = 0; m < GRAM_ROWS; m++) {
+                            const uint32_t pair = ((const uint32_t *)(D + (r + m) * in + kb * 32))[p];
+                            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, v0);
+                            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, v1);
+                        }
+                    }
+                for (int m = 0; m < GRAM_ROWS; m++) { /* the block's rows times D's, bf16 widened */
+                    const __m512i d = _mm512_loadu_si512((const void *)(D + (r + m) * in + jb * 32)); /* 32 bf16 */
+                    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(d)), 16));
+                    const __m512 hi = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(d, 1)), 16));
+                    sum = _mm512_add_ps(sum, _mm512_mul_ps(acc[m][0], lo));
+                    sum = _mm512_add_ps(sum, _mm512_mul_ps(acc[m][1], hi));
+                }
+            }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, sum);
+        for (int l = 0; l < 16; l++)
+            total += lanes[l];
+    }
+    return total;
+}
+
 #else /* no AMX here (ptq_amx_available says so): ptq keeps its GEMMs */
 
 int ptq_amx_available(void) { return 0; }
@@ -345,6 +390,11 @@ void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp, int64_t st
 }
 
 double ptq_gram_quadratic(const uint16_t *D, int64_t rows, int64_t in, const uint16_t *GV) {
+    (void)D, (void)rows, (void)in, (void)GV;
+    return 0;
+}
+
+double ptq_gram_quadratic_avx512(const uint16_t *D, int64_t rows, int64_t in, const uint16_t *GV) {
     (void)D, (void)rows, (void)in, (void)GV;
     return 0;
 }

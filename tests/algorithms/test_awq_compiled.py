@@ -145,8 +145,8 @@ def test_gram_loss_of_stacked_weights_equals_the_exact_loss(dtype, rtol, monkeyp
     rounded to bf16 for the GEMM (the forward pass's precision), within 1e-3 (measured
     5e-4; on the bundled and SmolLM2-shaped models float32 GEMMs chose the same ratio in all
     102 pairs). The compiled and torch paths give the same GEMM, so agree within 1e-6, but
-    where bf16 losses take AMX tiles (compiled.QuadraticForm), which do not round ΔW·G to
-    bf16 as the GEMM does: there each is within 1e-3 of the exact loss."""
+    where bf16 losses take AMX tiles or VDPBF16PS (compiled.QuadraticForm), which do not
+    round ΔW·G to bf16 as the GEMM does: there each is within 1e-3 of the exact loss."""
     args = QuantArgs(num_bits=4, strategy="group", group_size=32)
     X, G, weights, scales = _gram_problem(dtype)
     exact = _exact(X, weights, scales, args)
@@ -157,13 +157,13 @@ def test_gram_loss_of_stacked_weights_equals_the_exact_loss(dtype, rtol, monkeyp
         m.setattr(compiled, "awq_grid_for", lambda *a: False)
         in_torch = make_linear_loss(weights, G, X.shape[0], args=args)(scales)
     torch.testing.assert_close(in_torch[:-1].double(), exact, rtol=rtol, atol=0)
-    if dtype == torch.float32 or not compiled.amx():
+    if dtype == torch.float32 or not compiled.gram_kernel():
         torch.testing.assert_close(in_torch, sums, rtol=1e-6, atol=0)
 
 
-@pytest.mark.skipif(not compiled.amx(), reason="this CPU (or its OS) does not give AMX tiles")
+@pytest.mark.skipif(not compiled.gram_kernel(), reason="this CPU (or its OS) has neither AMX tiles nor AVX512-BF16")
 @pytest.mark.parametrize("rows, features", [(32, 32), (64, 96), (96, 576)])
-def test_the_amx_loss_is_the_exact_quadratic_form_of_its_bf16_inputs(rows, features):
+def test_the_compiled_loss_is_the_exact_quadratic_form_of_its_bf16_inputs(rows, features):
     """Σ_r d_r G d_rᵀ from the blocks of G on and above the diagonal (those above doubled):
     within 1e-6 of float64 on the same bf16 D and G; a bf16 GEMM's output is off by ~1e-4."""
     g = torch.Generator().manual_seed(features)
