@@ -156,6 +156,11 @@ def test_nothing_changes_without_the_kernel_or_sdpa(monkeypatch):
     with compiled_attention(model) as counts:
         assert counts is None and model.config._attn_implementation == "eager"
     model.config._attn_implementation = "sdpa"
+    assert not cpu_attention.applies(model)  # float32 passes: sdpa's own
+    model.to(torch.bfloat16)
+    assert not cpu_attention.applies(model, "cuda")  # passes on a GPU
+    with compiled_attention(model, "cuda") as counts:
+        assert counts is None and model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert not cpu_attention.applies(model)
     with compiled_attention(model) as counts:

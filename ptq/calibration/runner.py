@@ -399,7 +399,7 @@ def run_blocks(
             start_hidden = list(torch.cat(start_hidden).split(batch_size))
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(store)) for (args, kwargs), h in zip(inputs, start_hidden)]
-    with compiled_attention(model) as attention, \
+    with compiled_attention(model, device) as attention, \
             tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
         for index in range(start, len(blocks)):
             block = blocks[index]
