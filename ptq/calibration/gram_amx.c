@@ -325,16 +325,21 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
 
 /* ptq_gram_quadratic on a CPU with AVX512-BF16 and no AMX, from the same GV: 8 rows of D
    at a time, each 32 x 32 block of D·G' summed in float32 lanes by VDPBF16PS (D's pairs
-   broadcast against GV's B tiles), times D's block; the products summed in float32 lanes
-   per 32 rows, then in float64, in a fixed order. */
+   broadcast against GV's B tiles), times D's block. Column blocks go in panels whose GV
+   stays in the L2 cache (about 1 MiB) while every row passes; the products are summed in
+   float32 lanes per panel and 32 rows, then in float64, in a fixed order. */
 __attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(const uint16_t *D, int64_t rows,
                                                                                int64_t in, const uint16_t *GV) {
     const int64_t blocks = in / 32;
     double total = 0;
+    for (int64_t j0 = 0, j1; j0 < blocks; j0 = j1) {
+        int64_t bytes = 0; /* column block jb holds jb + 1 blocks of GV, 2 KiB each */
+        for (j1 = j0; j1 < blocks && (j1 == j0 || bytes + (j1 + 1) * 4 * TILE <= PANEL_BYTES); j1++)
+            bytes += (j1 + 1) * 4 * TILE;
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t r = r0; r < r0 + 32; r += GRAM_ROWS)
-            for (int64_t jb = 0; jb < blocks; jb++) {
+            for (int64_t jb = j0; jb < j1; jb++) {
                 __m512 acc[GRAM_ROWS][2];
                 for (int m = 0; m < GRAM_ROWS; m++)
                     acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -364,6 +369,7 @@ __attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(c
         _mm512_storeu_ps(lanes, sum);
         for (int l = 0; l < 16; l++)
             total += lanes[l];
+    }
     }
     return total;
 }
