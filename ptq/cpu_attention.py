@@ -160,22 +160,21 @@ def sdpa_configs(model: nn.Module) -> list:
     return list(configs.values())
 
 
-def applies(model: nn.Module, device: torch.device | str = "cpu") -> bool:
-    """Whether compiled_attention(model, device) runs the compiled kernel (where calls
-    allow): the kernel is here, the passes run on a CPU in bf16 and the model chose sdpa."""
-    if torch.device(device).type != "cpu" or not available():
-        return False
-    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters() if p.device.type != "meta")
-    return bf16 and bool(sdpa_configs(model))
+def applies(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether compiled_attention(model, device, dtype) runs the compiled kernel (where
+    calls allow): it is here, the passes run on a CPU in bf16 (the activations' dtype) and
+    the model chose sdpa."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and available()
+            and bool(sdpa_configs(model)))
 
 
 @contextlib.contextmanager
-def compiled_attention(model: nn.Module, device: torch.device | str = "cpu") -> Iterator[Counts | None]:
+def compiled_attention(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> Iterator[Counts | None]:
     """Inside the block, the model's "sdpa" attention runs as attention_forward (on every
     config that names it); yields the block's Counts, or None where nothing changes
     (applies says no: no kernel here, passes on a GPU or in float32, another attention)."""
     global COUNTS
-    if not applies(model, device):
+    if not applies(model, device, dtype):
         yield None
         return
     configs = sdpa_configs(model)

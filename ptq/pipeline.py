@@ -178,7 +178,8 @@ def quantize(
             kernel = compiled.gram_kernel()
             report.cpu["bf16_hessians"] = f"{kernel} (compiled)" if kernel else "oneDNN GEMMs"
             # the calibration passes' causal attention (ptq/cpu_attention.py)
-            report.cpu["calibration_attention"] = "compiled" if cpu_attention.applies(model, device) else "the model's own"
+            compiled_attention = cpu_attention.applies(model, device, report.compute_dtype)
+            report.cpu["calibration_attention"] = "compiled" if compiled_attention else "the model's own"
         if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"

@@ -134,13 +134,13 @@ def test_a_models_forward_under_compiled_attention():
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits.float()
-        with compiled_attention(model) as counts:
+        with compiled_attention(model, "cpu", torch.bfloat16) as counts:
             assert model.config._attn_implementation == cpu_attention.NAME
             logits = model(ids).logits.float()
         assert model.config._attn_implementation == "sdpa"
     assert counts.calls == 2 and counts.fallbacks == 0 and counts.note() is None
     assert float((logits - reference).abs().max()) < 0.05 * float(reference.abs().max())
-    with pytest.raises(RuntimeError), compiled_attention(model):
+    with pytest.raises(RuntimeError), compiled_attention(model, "cpu", torch.bfloat16):
         raise RuntimeError("a failing pass")
     assert model.config._attn_implementation == "sdpa"  # restored all the same
 
@@ -152,16 +152,15 @@ def test_nothing_changes_without_the_kernel_or_sdpa(monkeypatch):
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
                                       attn_implementation="eager")
     model = transformers.LlamaForCausalLM(config)
-    assert not cpu_attention.applies(model)
-    with compiled_attention(model) as counts:
+    assert not cpu_attention.applies(model, "cpu", torch.bfloat16)
+    with compiled_attention(model, "cpu", torch.bfloat16) as counts:
         assert counts is None and model.config._attn_implementation == "eager"
     model.config._attn_implementation = "sdpa"
-    assert not cpu_attention.applies(model)  # float32 passes: sdpa's own
-    model.to(torch.bfloat16)
-    assert not cpu_attention.applies(model, "cuda")  # passes on a GPU
-    with compiled_attention(model, "cuda") as counts:
+    assert not cpu_attention.applies(model, "cpu", torch.float32)  # float32 passes: sdpa's own
+    assert not cpu_attention.applies(model, "cuda", torch.bfloat16)  # passes on a GPU
+    with compiled_attention(model, "cuda", torch.bfloat16) as counts:
         assert counts is None and model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    assert not cpu_attention.applies(model)
-    with compiled_attention(model) as counts:
+    assert not cpu_attention.applies(model, "cpu", torch.bfloat16)
+    with compiled_attention(model, "cpu", torch.bfloat16) as counts:
         assert counts is None and model.config._attn_implementation == "sdpa"

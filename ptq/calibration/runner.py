@@ -399,7 +399,8 @@ def run_blocks(
             start_hidden = list(torch.cat(start_hidden).split(batch_size))
         assert len(start_hidden) == len(inputs), "saved inputs do not match the calibration batches"
         inputs = [_with_hidden(args, kwargs, h.to(store)) for (args, kwargs), h in zip(inputs, start_hidden)]
-    with compiled_attention(model, device) as attention, \
+    dtype = _hidden_of(*inputs[0]).dtype if inputs else torch.float32  # the passes' compute dtype
+    with compiled_attention(model, device, dtype) as attention, \
             tqdm(total=len(blocks), initial=start, desc="blocks", unit="block", disable=not show_progress) as bar:
         for index in range(start, len(blocks)):
             block = blocks[index]
