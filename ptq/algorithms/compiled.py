@@ -2,7 +2,8 @@
 gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packing
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
-for Hessians on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (GramTiles), and
+on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (the same two), the calibration
+passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention), and
 moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
 copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
 One library, built at install when a C compiler is there (setup.py); without one ptq
@@ -31,7 +32,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 4  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 5  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
