@@ -22,8 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "algorithms/quant_math.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
-#include <immintrin.h>
 
 enum { ROWS = 8 };
 
@@ -46,12 +47,9 @@ __attribute__((target("avx512f"))) static inline __m512 exp_v(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-/* 16 float32 -> 16 bf16, to nearest even (finite values) */
+/* 16 float32 -> their 16 bf16 (quant_math.h's rounding, to nearest even) */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf16_16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(x)), 16));
 }
 
 /* scores [ROWS][ld] = (Q rows · keys [j, j + 16 C)) · scale, from Kp (pairs of dimensions) */

@@ -41,8 +41,7 @@ _POSITIONS = frozenset({"position_ids", "cache_position"})  # tensors that do no
 def available() -> bool:
     """Whether the compiled kernel runs here: the library is built and the CPU has
     AVX512-BF16 (AMX CPUs have it too)."""
-    lib = compiled.library()[0]
-    return lib is not None and compiled._avx512_bf16(lib)
+    return compiled.avx512_bf16()
 
 
 def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
@@ -153,8 +152,12 @@ def _registered() -> bool:
     return True
 
 
-def sdpa_configs(model: nn.Module) -> list:
-    """The configs of the model's modules that choose transformers' "sdpa" attention."""
+def _swapped_configs(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
+    """The configs compiled_attention swaps: those of the model's modules that choose
+    transformers' "sdpa" attention, where the kernel is here and the passes run on a CPU
+    in bf16 (the activations' dtype); none elsewhere."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not available():
+        return []
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_attn_implementation", None) == "sdpa"}
     return list(configs.values())
@@ -162,22 +165,20 @@ def sdpa_configs(model: nn.Module) -> list:
 
 def applies(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether compiled_attention(model, device, dtype) runs the compiled kernel (where
-    calls allow): it is here, the passes run on a CPU in bf16 (the activations' dtype) and
-    the model chose sdpa."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and available()
-            and bool(sdpa_configs(model)))
+    calls allow)."""
+    return bool(_swapped_configs(model, device, dtype))
 
 
 @contextlib.contextmanager
 def compiled_attention(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> Iterator[Counts | None]:
     """Inside the block, the model's "sdpa" attention runs as attention_forward (on every
     config that names it); yields the block's Counts, or None where nothing changes
-    (applies says no: no kernel here, passes on a GPU or in float32, another attention)."""
+    (no kernel here, passes on a GPU or in float32, another attention)."""
     global COUNTS
-    if not applies(model, device, dtype):
+    configs = _swapped_configs(model, device, dtype)
+    if not configs:
         yield None
         return
-    configs = sdpa_configs(model)
     _registered()
     COUNTS = counts = Counts()
     for config in configs:

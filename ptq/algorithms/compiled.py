@@ -170,7 +170,13 @@ def gram_kernel() -> str | None:
         return None
     if _amx_granted(lib):
         return "AMX"
-    return "AVX512-BF16" if _avx512_bf16(lib) else None
+    return "AVX512-BF16" if avx512_bf16() else None
+
+
+def avx512_bf16() -> bool:
+    """Whether the library's VDPBF16PS code runs here (built; AVX512-F, BW, VL and BF16)."""
+    lib = library()[0]
+    return lib is not None and _avx512_bf16(lib)
 
 
 @functools.cache
@@ -190,7 +196,7 @@ class GramTiles:
         assert self.kernel and features % 32 == 0
         self.features, self.stride = features, -(-capacity // 32)  # tiles per block of 16 features
         self.XV = torch.empty(self.stride * 32 * features, dtype=torch.bfloat16)  # B tiles
-        # A tiles (AMX only)
+        # A tiles: AMX only (VDPBF16PS reads the B tiles alone)
         self.XT = torch.empty(self.stride * 32 * features if self.kernel == "AMX" else 0, dtype=torch.bfloat16)
         self.X, self.padded = None, 0
 
@@ -201,7 +207,7 @@ class GramTiles:
 
     def pack(self, f0: int, f1: int) -> None:
         library()[0].ptq_gram_pack(self.X.data_ptr(), self.X.shape[0], self.X.stride(0), self.padded, self.stride,
-                                   f0, f1, self.XV.data_ptr(), self.XT.data_ptr() if self.XT.numel() else None)
+                                   f0, f1, self.XV.data_ptr(), self.XT.data_ptr() if self.kernel == "AMX" else None)
 
     def gram_rows(self, total: Tensor, i0: int, i1: int) -> None:
         """total[i0:i1, i0:] += X[:, i0:i1]ᵀ X[:, i0:] in the 32 x 32 blocks on and above the
@@ -225,8 +231,9 @@ class QuadraticForm:
     multiply-adds of D·G; sums in float32 tiles or lanes, then float64."""
 
     def __init__(self, G: Tensor):
-        self.kernel = gram_kernel()
-        assert self.kernel and G.dim() == 2 and G.shape[0] == G.shape[1] and G.shape[0] % 32 == 0
+        kernel, lib = gram_kernel(), library()[0]
+        assert kernel and G.dim() == 2 and G.shape[0] == G.shape[1] and G.shape[0] % 32 == 0
+        self._quadratic = lib.ptq_gram_quadratic if kernel == "AMX" else lib.ptq_gram_quadratic_avx512
         G = G.float()
         assert G.stride(1) == 1
         self.features = n = G.shape[0]
@@ -240,8 +247,7 @@ class QuadraticForm:
     def of(self, D: Tensor) -> float:
         assert D.dtype == torch.bfloat16 and D.is_contiguous() and D.dim() == 2 and D.shape[1] == self.features
         assert D.shape[0] % 32 == 0
-        quadratic = library()[0].ptq_gram_quadratic if self.kernel == "AMX" else library()[0].ptq_gram_quadratic_avx512
-        return quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
+        return self._quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

@@ -269,6 +269,16 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
         }
 }
 
+/* sum + c0 · d[0:16] + c1 · d[16:32], d 32 bf16 widened to float32, in that order */
+__attribute__((target("avx512f"))) static inline __m512 add_row_products(__m512 sum, __m512 c0, __m512 c1,
+                                                                        const uint16_t *d) {
+    const __m512i v = _mm512_loadu_si512((const void *)d);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    sum = _mm512_add_ps(sum, _mm512_mul_ps(c0, lo));
+    return _mm512_add_ps(sum, _mm512_mul_ps(c1, hi));
+}
+
 /* Σ_r d_r G d_rᵀ over the rows of D [rows, in] (bf16; rows a multiple of 32, in of 32):
    AWQ's Gram loss of one candidate (ptq/algorithms/awq.py, make_linear_loss), with G
    given as GV, the B tiles of its blocks of 32 x 32 on and above the diagonal, those
@@ -305,14 +315,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
             _tile_stored(1, &C[0][16], 128);
             _tile_stored(2, &C[16][0], 128);
             _tile_stored(3, &C[16][16], 128);
-            for (int m = 0; m < 32; m++) { /* C's rows times D's, bf16 widened to float32 */
-                const __m512i d = _mm512_loadu_si512((const void *)(D + (r + m) * in + jb * 32)); /* 32 bf16 */
-                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(d)), 16));
-                const __m512 hi = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(d, 1)), 16));
-                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(C[m]), lo));
-                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(C[m] + 16), hi));
-            }
+            for (int m = 0; m < 32; m++) /* C's rows times D's */
+                sum = add_row_products(sum, _mm512_loadu_ps(C[m]), _mm512_loadu_ps(C[m] + 16),
+                                       D + (r + m) * in + jb * 32);
         }
         float lanes[16];
         _mm512_storeu_ps(lanes, sum);
@@ -356,14 +361,8 @@ __attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(c
                             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, v1);
                         }
                     }
-                for (int m = 0; m < GRAM_ROWS; m++) { /* the block's rows times D's, bf16 widened */
-                    const __m512i d = _mm512_loadu_si512((const void *)(D + (r + m) * in + jb * 32)); /* 32 bf16 */
-                    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(d)), 16));
-                    const __m512 hi = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(d, 1)), 16));
-                    sum = _mm512_add_ps(sum, _mm512_mul_ps(acc[m][0], lo));
-                    sum = _mm512_add_ps(sum, _mm512_mul_ps(acc[m][1], hi));
-                }
+                for (int m = 0; m < GRAM_ROWS; m++) /* the block's rows times D's */
+                    sum = add_row_products(sum, acc[m][0], acc[m][1], D + (r + m) * in + jb * 32);
             }
         float lanes[16];
         _mm512_storeu_ps(lanes, sum);
