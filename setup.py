@@ -21,7 +21,8 @@ setup(
         Extension(
             "ptq.algorithms._compiled",
             sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
-                     "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c"],
+                     "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
+                     "ptq/algorithms/cholesky.c"],
             depends=["ptq/algorithms/quant_math.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)

@@ -32,7 +32,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 5  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 6  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -85,6 +85,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_quadratic_avx512.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_pack.restype = None
     lib.ptq_gram_quadratic_pack.argtypes = [_P, _I, _I, _I, _I, _P]
+    lib.ptq_cholesky_available.restype = ctypes.c_int
+    lib.ptq_cholesky_available.argtypes = []
+    lib.ptq_inverse_cholesky.restype = ctypes.c_int
+    lib.ptq_inverse_cholesky.argtypes = [_P, _I, _I, _P, _P]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -248,6 +252,34 @@ class QuadraticForm:
         assert D.dtype == torch.bfloat16 and D.is_contiguous() and D.dim() == 2 and D.shape[1] == self.features
         assert D.shape[0] % 32 == 0
         return self._quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
+
+
+def inverse_cholesky_available() -> bool:
+    """Whether inverse_cholesky runs here (the library is built and the CPU has AVX-512)."""
+    lib = library()[0]
+    return lib is not None and _cholesky_available(lib)
+
+
+@functools.cache
+def _cholesky_available(lib: ctypes.CDLL) -> bool:
+    return bool(lib.ptq_cholesky_available())
+
+
+def inverse_cholesky(H: Tensor, diag: Tensor) -> Tensor | None:
+    """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
+    CPU, its lower triangle read) with its diagonal replaced by diag [n], on this thread
+    (cholesky.c; inverse_cholesky_available must have said yes); None when that matrix is
+    not positive definite or L⁻¹ is not finite."""
+    n = H.shape[0]
+    assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"
+    H = H if H.stride(1) == 1 else H.contiguous()
+    diag = diag.contiguous()
+    out = torch.empty(n, n, dtype=torch.float32)
+    status = library()[0].ptq_inverse_cholesky(H.data_ptr(), n, H.stride(0), diag.data_ptr(), out.data_ptr())
+    if status == 3:
+        raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")
+    assert status != 4, "the compiled Cholesky needs AVX-512"
+    return out if status == 0 else None
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

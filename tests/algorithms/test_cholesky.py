@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptq.algorithms import cholesky
+from ptq.algorithms import cholesky, compiled
 
 
 def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
@@ -17,10 +17,22 @@ def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
     assert float((U.double().t() @ U.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
-# LAPACK on one thread up to cholesky.SMALL rows; above, the blocked Cholesky and the
-# inverse in chunks of columns (1000: four blocks and chunks, the last partial)
+@pytest.fixture(params=["compiled", "torch"])
+def route(request, monkeypatch):
+    """Both ways a CPU factors: the compiled factorisation (where the CPU has AVX-512; the
+    test skips elsewhere), and torch's (LAPACK on one thread, or the blocked one)."""
+    if request.param == "compiled" and not compiled.inverse_cholesky_available():
+        pytest.skip("the compiled factorisation needs the compiled library and AVX-512")
+    if request.param == "torch":
+        monkeypatch.setattr(cholesky, "_compiled", lambda H: False)
+    return request.param
+
+
+# torch: LAPACK on one thread up to cholesky.SMALL rows; above, the blocked Cholesky and the
+# inverse in chunks of columns (1000: four blocks and chunks, the last partial). compiled:
+# whole blocks of 32 rows, or a last one padded (100, 700, 1000)
 @pytest.mark.parametrize("n", [100, 256, 700, 1000])
-def test_inverse_factor(n):
+def test_inverse_factor(n, route):
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (3 * n)
     U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
@@ -28,8 +40,8 @@ def test_inverse_factor(n):
     _check(H, U, lam)
 
 
-@pytest.mark.parametrize("n", [600, 1000])  # LAPACK on one thread; blocked, the original kept in the upper triangle
-def test_indefinite_matrix_retries_with_more_dampening(n):
+@pytest.mark.parametrize("n", [600, 1000])  # torch: LAPACK on one thread; blocked, the original kept in the upper triangle
+def test_indefinite_matrix_retries_with_more_dampening(n, route):
     # three negative eigenvalues of -0.5 against a mean diagonal near 0.6: factoring fails
     # until the dampening reaches 1.0, after the partial factorisations overwrote the copy
     g = torch.Generator().manual_seed(0)
@@ -42,7 +54,7 @@ def test_indefinite_matrix_retries_with_more_dampening(n):
     _check(H, U, lam)
 
 
-def test_no_dampening_is_enough():
+def test_no_dampening_is_enough(route):
     # eigenvalues 11 and -9 in the first two coordinates, mean diagonal 1: H + λ·I stays
     # indefinite up to the last retry, λ = 1
     H = torch.eye(300)
@@ -62,3 +74,41 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
     # entries of L⁻¹ that grow as 1000^k overflow float32 within a few rows
     steep = torch.eye(n) + torch.full((n, n), -1e3).tril(-1)
     assert not cholesky.inverse_lower_(steep.clone(), threads)
+
+
+@pytest.mark.skipif(not compiled.inverse_cholesky_available(), reason="needs the compiled library and AVX-512")
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 97, 300])
+def test_compiled_inverse_of_the_factor(n):
+    # L⁻¹ of the damped matrix's factor against float64: lower with exact zeros above, within
+    # 1e-6 of its largest entry (LAPACK's float32 is within about 1e-7 on these); only the
+    # lower triangle is read (the upper holds garbage here); the same bits on a second call
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2 * n + 3, n, generator=g) * torch.linspace(0.2, 2, n)
+    H = x.t() @ x / n
+    diag = H.diagonal() * 1.01
+    garbage = H.tril() + torch.full((n, n), float("nan")).triu(1)
+    X = compiled.inverse_cholesky(garbage, diag)
+    exact = H.double().clone()
+    exact.diagonal().copy_(diag.double())
+    expected = torch.linalg.inv(torch.linalg.cholesky(exact))
+    assert torch.equal(X, X.tril())
+    assert float((X.double() - expected).abs().max() / expected.abs().max()) < 1e-6
+    assert torch.equal(X, compiled.inverse_cholesky(garbage, diag))
+    assert torch.equal(X, compiled.inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
+
+
+@pytest.mark.skipif(not compiled.inverse_cholesky_available(), reason="needs the compiled library and AVX-512")
+def test_compiled_factorisation_says_what_failed():
+    n = 70
+    H = torch.eye(n)
+    H[40, 41] = H[41, 40] = 2.0  # indefinite in rows 40-41: the pivot of row 41 is 1 - 4 < 0
+    assert compiled.inverse_cholesky(H, H.diagonal().clone()) is None
+    nan = torch.eye(n)
+    nan[50, 3] = float("nan")
+    assert compiled.inverse_cholesky(nan, nan.diagonal().clone()) is None
+    # L = I - 64 on the first subdiagonal, exactly L Lᵀ's factor in float32 (pivots 4097 -
+    # 64² = 1), but L⁻¹[i, j] = 64^(i - j) overflows float32 beyond 21 rows
+    L = torch.eye(n) - 64 * torch.eye(n).roll(1, 0).tril(-1)
+    steep = L @ L.t()
+    assert compiled.inverse_cholesky(steep[:21, :21].contiguous(), steep.diagonal()[:21].clone()) is not None
+    assert compiled.inverse_cholesky(steep, steep.diagonal().clone()) is None
