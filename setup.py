@@ -22,7 +22,7 @@ setup(
             "ptq.algorithms._compiled",
             sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
                      "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
-                     "ptq/algorithms/cholesky.c"],
+                     "ptq/algorithms/linalg.c"],
             depends=["ptq/algorithms/quant_math.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)

@@ -16,7 +16,7 @@ models) the blocks are too few to keep the threads busy and their Python costs m
 the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times faster here
 (576 rows: 4.3 against 6.3 ms; 256: 1.0 against 1.5), and as independent of the thread count.
 On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
-(cholesky.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
+(linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
 LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
 93) and faster than the blocked path on two threads.
 
@@ -90,7 +90,7 @@ def on_one_thread(H: Tensor) -> bool:
 
 
 def _compiled(H: Tensor) -> bool:
-    return H.dtype == torch.float32 and compiled.inverse_cholesky_available()
+    return H.dtype == torch.float32 and compiled.linalg_available()
 
 
 def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:

@@ -85,8 +85,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_quadratic_avx512.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_pack.restype = None
     lib.ptq_gram_quadratic_pack.argtypes = [_P, _I, _I, _I, _I, _P]
-    lib.ptq_cholesky_available.restype = ctypes.c_int
-    lib.ptq_cholesky_available.argtypes = []
+    lib.ptq_linalg_available.restype = ctypes.c_int
+    lib.ptq_linalg_available.argtypes = []
+    lib.ptq_gemm_subtract.restype = ctypes.c_int
+    lib.ptq_gemm_subtract.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _I, _I]
     lib.ptq_inverse_cholesky.restype = ctypes.c_int
     lib.ptq_inverse_cholesky.argtypes = [_P, _I, _I, _P, _P]
     lib.ptq_pack_int32.restype = None
@@ -254,21 +256,35 @@ class QuadraticForm:
         return self._quadratic(D.data_ptr(), D.shape[0], self.features, self.GV.data_ptr())
 
 
-def inverse_cholesky_available() -> bool:
-    """Whether inverse_cholesky runs here (the library is built and the CPU has AVX-512)."""
+def linalg_available() -> bool:
+    """Whether inverse_cholesky and gemm_subtract run here (the library is built and the
+    CPU has AVX-512)."""
     lib = library()[0]
-    return lib is not None and _cholesky_available(lib)
+    return lib is not None and _linalg_available(lib)
 
 
 @functools.cache
-def _cholesky_available(lib: ctypes.CDLL) -> bool:
-    return bool(lib.ptq_cholesky_available())
+def _linalg_available(lib: ctypes.CDLL) -> bool:
+    return bool(lib.ptq_linalg_available())
+
+
+def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
+    """C -= A @ B in place, float32 CPU tensors: C [m, n] and B [k, n] with rows of unit
+    stride, A [m, k] any strides; on this thread (linalg.c; linalg_available must have
+    said yes). Each element is C's value less its products in order, one rounding each,
+    whatever the shapes: a slice of C's rows or columns gets the bits of the whole."""
+    (m, n), k = C.shape, A.shape[1]
+    assert C.dtype == A.dtype == B.dtype == torch.float32 and A.shape == (m, k) and B.shape == (k, n)
+    assert C.stride(1) == 1 and B.stride(1) == 1 and C.device.type == "cpu"
+    status = library()[0].ptq_gemm_subtract(C.data_ptr(), C.stride(0), A.data_ptr(), A.stride(0), A.stride(1),
+                                             B.data_ptr(), B.stride(0), m, n, k)
+    assert status == 0, "the compiled GEMM needs AVX-512"
 
 
 def inverse_cholesky(H: Tensor, diag: Tensor) -> Tensor | None:
     """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
     CPU, its lower triangle read) with its diagonal replaced by diag [n], on this thread
-    (cholesky.c; inverse_cholesky_available must have said yes); None when that matrix is
+    (linalg.c; linalg_available must have said yes); None when that matrix is
     not positive definite or L⁻¹ is not finite."""
     n = H.shape[0]
     assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"

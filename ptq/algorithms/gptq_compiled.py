@@ -83,18 +83,21 @@ class BlockLoop:
 
         Each thread takes one slice of the rows through every block: the block's columns
         (ptq_gptq_block), then the lazy update of its rows after the block (one GEMM on
-        this thread). The slices share no row, and no thread waits on another between
+        this thread: compiled.gemm_subtract where the CPU has AVX-512, 2.x times MKL's AVX2
+        code on an AMD EPYC, else torch's addmm_). The slices share no row, and no thread waits on another between
         blocks: one wake-up per solve instead of two per block, and a slice's rows of Wt
         stay in its core's cache (SmolLM2's four solves per layer: 42-44 -> 34-36 ms).
         Each row gets what it gets with all rows in one slice: the lazy update of a slice's
-        columns sums each element over the block's positions as the whole GEMM does (MKL
-        sums an element's products in one order whatever the output's width; the tests
-        check the codes at 1 to 3 threads, i.e. 1 to 3 slices)."""
+        columns sums each element over the block's positions as the whole GEMM does (the
+        compiled GEMM by construction; MKL sums an element's products in one order whatever
+        the output's width; the tests check the codes at 1 to 3 threads, i.e. 1 to 3
+        slices)."""
         Wt, Hinv, E = self._Wt, self._Hinv, self._E
         cols = Wt.shape[0]
         starts = list(range(0, cols, block_size))
         losses = torch.zeros(len(starts), len(self._slices), dtype=torch.float64)  # [block, slice]
         block = self._lib.ptq_gptq_block
+        lazy_update = compiled.gemm_subtract if compiled.linalg_available() else _addmm_subtract
 
         def rows(k: int, r0: int, r1: int) -> int:
             for b, i1 in enumerate(starts):
@@ -104,10 +107,15 @@ class BlockLoop:
                 e = E[: i2 - i1, r0:r1]  # [block, slice]: the block's scaled errors
                 losses[b, k] = e.square().sum(dtype=torch.float64)
                 if i2 < cols:
-                    Wt[i2:, r0:r1].addmm_(Hinv[i1:i2, i2:].t(), e, alpha=-1)
+                    lazy_update(Wt[i2:, r0:r1], Hinv[i1:i2, i2:].t(), e)
             return 0
 
         tasks = [functools.partial(rows, k, r0, r1) for k, (r0, r1) in enumerate(self._slices)]
         if any(cpu_parallel(tasks, len(tasks))):
             raise MemoryError("the compiled GPTQ loop ran out of memory for a group's columns")
         return losses.sum() / 2
+
+
+def _addmm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
+    """C -= A @ B in place (torch's GEMM): the lazy update where the compiled one does not run."""
+    C.addmm_(A, B, alpha=-1)

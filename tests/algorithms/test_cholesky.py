@@ -21,7 +21,7 @@ def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
 def route(request, monkeypatch):
     """Both ways a CPU factors: the compiled factorisation (where the CPU has AVX-512; the
     test skips elsewhere), and torch's (LAPACK on one thread, or the blocked one)."""
-    if request.param == "compiled" and not compiled.inverse_cholesky_available():
+    if request.param == "compiled" and not compiled.linalg_available():
         pytest.skip("the compiled factorisation needs the compiled library and AVX-512")
     if request.param == "torch":
         monkeypatch.setattr(cholesky, "_compiled", lambda H: False)
@@ -76,7 +76,7 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
     assert not cholesky.inverse_lower_(steep.clone(), threads)
 
 
-@pytest.mark.skipif(not compiled.inverse_cholesky_available(), reason="needs the compiled library and AVX-512")
+@pytest.mark.skipif(not compiled.linalg_available(), reason="needs the compiled library and AVX-512")
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 97, 300])
 def test_compiled_inverse_of_the_factor(n):
     # L⁻¹ of the damped matrix's factor against float64: lower with exact zeros above, within
@@ -97,7 +97,7 @@ def test_compiled_inverse_of_the_factor(n):
     assert torch.equal(X, compiled.inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
 
 
-@pytest.mark.skipif(not compiled.inverse_cholesky_available(), reason="needs the compiled library and AVX-512")
+@pytest.mark.skipif(not compiled.linalg_available(), reason="needs the compiled library and AVX-512")
 def test_compiled_factorisation_says_what_failed():
     n = 70
     H = torch.eye(n)

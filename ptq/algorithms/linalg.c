@@ -1,26 +1,29 @@
-/* GPTQ's factorisation of a small Hessian on one thread, compiled: the lower Cholesky factor
-   L of a symmetric matrix and its inverse L⁻¹, in float32 with AVX-512.
+/* Dense float32 linear algebra for GPTQ on a CPU with AVX-512, on one thread, compiled: the
+   lower Cholesky factor L of a Hessian and its inverse L⁻¹ (ptq_inverse_cholesky), and the
+   column loop's lazy updates C -= A·B (ptq_gemm_subtract).
 
-   The torch reference is ptq/algorithms/cholesky.py (_inverse_cholesky_small: LAPACK's potrf
-   and a triangular solve against the identity, on one thread). On a CPU where MKL runs its
-   AVX2 code (AMD's), those reached 30 and 17 GFLOP/s on 768 rows; these loops run the
-   same arithmetic in blocks whose inner products are AVX-512 fused multiply-adds.
+   The torch references are ptq/algorithms/cholesky.py (_inverse_cholesky_small: LAPACK's
+   potrf and a triangular solve against the identity, on one thread) and
+   ptq/algorithms/gptq_compiled.py (an addmm_ per block). On a CPU where MKL runs its AVX2
+   code (AMD's), those reached 30, 17 and 90 GFLOP/s on one thread; here the same
+   arithmetic runs in tiles of 8 rows x 32 columns of fused multiply-adds (16 accumulators).
 
-   The matrix is copied into a buffer of np = n rounded up to 32 rows and columns, the extra
-   ones the identity, so that every block is whole: its factor is [[L, 0], [0, I]] and its
-   inverse [[L⁻¹, 0], [0, I]].
-
-   - Cholesky, right-looking, a block column of 32 at a time: the diagonal block factored
-     element by element; the rows below it solved against it, 16 rows per vector, from a
-     transposed copy of the block column (P); then the lower triangle to their right less
-     P's products, in tiles of 8 rows x 32 columns (16 accumulators).
+   - GEMM: each element of C is C's value less its products in order of p, one rounding
+     each (a fused multiply-add), whatever the tile it falls in: the bits do not depend on
+     how callers split the rows or columns (the column loop's slices of rows).
+   - Cholesky: the matrix is copied into a buffer of np = n rounded up to 32 rows and
+     columns, the extra ones the identity, so that every block is whole: its factor is
+     [[L, 0], [0, I]] and its inverse [[L⁻¹, 0], [0, I]]. Right-looking, a block column of 32
+     at a time: the diagonal block factored element by element; the rows below it solved
+     against it, 16 rows per vector, from a transposed copy of the block column (P); then
+     the lower triangle to their right less P's products, in tiles.
    - Inverse, a block of 8 rows at a time, top to bottom: each tile of 8 rows x 32 columns
      is the sum of L's rows times the rows of L⁻¹ found before, then the 8 rows solved
      against their diagonal block in the registers.
 
    Every sum runs in a fixed order on one thread: the bits depend on nothing but the input
-   (not on the thread count, nor the CPU, AVX-512 being there). They differ from LAPACK's in
-   the last places, as LAPACK's own differ between its code paths. */
+   (not on the thread count, nor the CPU, AVX-512 being there). They differ from LAPACK's and
+   MKL's in the last places, as those differ between their own code paths. */
 
 #include "quant_math.h"
 
@@ -30,26 +33,44 @@ enum { BLOCK = 32, ROWS = 8 };
 
 #if HAS_AVX512 /* (quant_math.h) */
 
-/* C[8 rows, 32 columns] (row stride ldc) less the products Σ_p a(r, p)·B[p, :] over p < k,
-   a(r, p) = A[r·ar + p·ap]; B's rows 32 floats apart by ldb. */
-AVX512 static void tile_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t ap, const float *B,
-                                 int64_t ldb, int64_t k) {
+/* C[rows (at most 8), 32 columns, those beyond the masks' lanes untouched] (row stride ldc)
+   less the products Σ_p a(r, p)·B[p, :] over p < k, a(r, p) = A[r·ar + p·ap], B's rows ldb
+   floats apart. */
+AVX512 static inline __attribute__((always_inline)) void tile_subtract(float *C, int64_t ldc, const float *A,
+                                                                       int64_t ar, int64_t ap, const float *B,
+                                                                       int64_t ldb, int64_t k, int rows,
+                                                                       __mmask16 m0, __mmask16 m1) {
     __m512 acc[ROWS][2];
-    for (int r = 0; r < ROWS; r++) {
-        acc[r][0] = _mm512_loadu_ps(C + r * ldc);
-        acc[r][1] = _mm512_loadu_ps(C + r * ldc + 16);
+    for (int r = 0; r < rows; r++) {
+        acc[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
+        acc[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
     }
     for (int64_t p = 0; p < k; p++) {
-        const __m512 b0 = _mm512_loadu_ps(B + p * ldb), b1 = _mm512_loadu_ps(B + p * ldb + 16);
-        for (int r = 0; r < ROWS; r++) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb), b1 = _mm512_maskz_loadu_ps(m1, B + p * ldb + 16);
+        for (int r = 0; r < rows; r++) {
             const __m512 a = _mm512_set1_ps(A[r * ar + p * ap]);
             acc[r][0] = _mm512_fnmadd_ps(a, b0, acc[r][0]);
             acc[r][1] = _mm512_fnmadd_ps(a, b1, acc[r][1]);
         }
     }
-    for (int r = 0; r < ROWS; r++) {
-        _mm512_storeu_ps(C + r * ldc, acc[r][0]);
-        _mm512_storeu_ps(C + r * ldc + 16, acc[r][1]);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(C + r * ldc, m0, acc[r][0]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, acc[r][1]);
+    }
+}
+
+/* C [m, n] (row stride ldc) -= A·B, A(i, p) = A[i·ar + p·ap] [m, k], B [k, n] (row stride ldb) */
+AVX512 static void gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t ap, const float *B,
+                                 int64_t ldb, int64_t m, int64_t n, int64_t k) {
+    for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+        const int64_t w = n - j0 < BLOCK ? n - j0 : BLOCK;
+        const __mmask16 m0 = w >= 16 ? 0xFFFF : (__mmask16)((1u << w) - 1);
+        const __mmask16 m1 = w >= 32 ? 0xFFFF : w <= 16 ? 0 : (__mmask16)((1u << (w - 16)) - 1);
+        int64_t i0 = 0;
+        for (; i0 + ROWS <= m; i0 += ROWS)
+            tile_subtract(C + i0 * ldc + j0, ldc, A + i0 * ar, ar, ap, B + j0, ldb, k, ROWS, m0, m1);
+        for (; i0 < m; i0++)
+            tile_subtract(C + i0 * ldc + j0, ldc, A + i0 * ar, ar, ap, B + j0, ldb, k, 1, m0, m1);
     }
 }
 
@@ -102,7 +123,7 @@ AVX512 static int cholesky(float *A, int64_t np, float *P) {
         /* the lower triangle right of the block (tiles reaching the diagonal, whole) */
         for (int64_t i0 = 0; i0 < m; i0 += ROWS)
             for (int64_t j0 = 0; j0 <= i0 + ROWS - 1; j0 += BLOCK)
-                tile_subtract(A + (k1 + i0) * np + k1 + j0, np, P + i0, 1, m, P + j0, m, BLOCK);
+                tile_subtract(A + (k1 + i0) * np + k1 + j0, np, P + i0, 1, m, P + j0, m, BLOCK, ROWS, 0xFFFF, 0xFFFF);
     }
     return 1;
 }
@@ -145,22 +166,38 @@ AVX512 static void inverse(const float *A, int64_t np, float *X) {
     }
 }
 
-int ptq_cholesky_available(void) { return __builtin_cpu_supports("avx512f"); }
+int ptq_linalg_available(void) { return __builtin_cpu_supports("avx512f"); }
 
 #else
 
-int ptq_cholesky_available(void) { return 0; }
+int ptq_linalg_available(void) { return 0; }
 
 #endif
+
+/* C [m, n] (row stride ldc) -= A·B with A(i, p) = A[i·ar + p·ap] [m, k] and B [k, n] (row
+   stride ldb), float32: see the GEMM above. Returns 0, or 4 without AVX-512
+   (ptq_linalg_available says so). */
+int ptq_gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t ap, const float *B, int64_t ldb,
+                      int64_t m, int64_t n, int64_t k) {
+#if HAS_AVX512
+    if (!ptq_linalg_available())
+        return 4;
+    gemm_subtract(C, ldc, A, ar, ap, B, ldb, m, n, k);
+    return 0;
+#else
+    (void)C, (void)ldc, (void)A, (void)ar, (void)ap, (void)B, (void)ldb, (void)m, (void)n, (void)k;
+    return 4;
+#endif
+}
 
 /* L⁻¹ of the Cholesky factor L of the symmetric matrix H [n, n] (float32, row stride ld, its
    lower triangle read) with its diagonal replaced by diag [n], into out [n, n] (contiguous):
    lower triangular, zeros above the diagonal. Returns 0; 1 when the matrix is not positive
    definite; 2 when L⁻¹ has an entry that is not finite; 3 when memory ran out; 4 without
-   AVX-512 (ptq_cholesky_available says so). */
+   AVX-512 (ptq_linalg_available says so). */
 int ptq_inverse_cholesky(const float *H, int64_t n, int64_t ld, const float *diag, float *out) {
 #if HAS_AVX512
-    if (!ptq_cholesky_available())
+    if (!ptq_linalg_available())
         return 4;
     const int64_t np = (n + BLOCK - 1) / BLOCK * BLOCK;
     float *A = malloc((size_t)(np * np * 2 + BLOCK * np) * sizeof(float));
