@@ -18,7 +18,7 @@ the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times 
 On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
 (linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
 LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
-93) and faster than the blocked path on two threads.
+93) and faster than the blocked path on two threads up to 1536 rows.
 
 Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
 while the inverse's chunks are solved, their results (about n²/2 floats). The
@@ -42,7 +42,11 @@ MAX_RETRIES = 4
 BLOCK = 256  # rows and columns of the factorisation's blocks
 INVERSE_CHUNK = 256  # columns of L⁻¹ that one triangular solve finds (inverse_lower_)
 SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread instead (measured crossover)
-COMPILED = 2048  # on a CPU with AVX-512, up to this many rows the compiled factorisation runs, on one thread
+# on a CPU with AVX-512, up to this many rows the compiled factorisation runs, on one thread
+# (on 2 cores of an AMD EPYC against the blocked path: 1024 rows 6.7 against 15.6 ms, 1536
+# 18 against 32; 2048 68 against 73, where its passes over the matrix no longer stay in the
+# cache, and more cores would favour the blocked path)
+COMPILED = 1536
 
 
 def damp_schedule(damp: float) -> list[float]:
