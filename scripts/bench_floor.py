@@ -16,11 +16,17 @@ Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibrati
 
 and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
-- Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size;
-- inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
+- Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
+  inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
+  or both at the rate of ptq's compiled factorisation on that size (linalg.c, one thread,
+  where the CPU has AVX-512 and the size is at most cholesky.COMPILED), whichever is faster;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
   addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
-  the float32 GEMM rate on [in, B] @ [B, out]).
+  the faster of the float32 GEMM's rate on [in, B] @ [B, out] and ptq's compiled GEMM's,
+  compiled.gemm_subtract, on all threads, the output's columns split between them).
+
+ptq's compiled loop does the rank-1 updates in its own code (gptq_loop.c), which may run
+faster than torch's addr: that part of the floor is the one not at the machine's best rate.
 
 Rounding, the scale search, loading and saving come on top. Each rate is the best of a
 few timed runs, with torch's default thread count (the floor does not pin Cholesky to one
@@ -29,6 +35,7 @@ thread as ptq does for reproducibility: it is the machine's best).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +103,40 @@ class Rates:
             return lambda: torch.linalg.solve_triangular(L, eye, upper=False)
         return self._rate(("trinv", n), n**3 / 3, make)  # as a triangular inverse: zeros above skipped
 
+    def factorisation(self, n: int) -> float:
+        """ptq's compiled Cholesky and inverse of its factor (linalg.c, one thread) on [n, n],
+        as 2n³/3 FLOPs; 0 where it does not run (no AVX-512, or more than cholesky.COMPILED rows)."""
+        from ptq.algorithms import cholesky, compiled
+
+        if not compiled.linalg_available() or n > cholesky.COMPILED:
+            return 0.0
+
+        def make():
+            x = torch.randn(n, 2 * n)
+            H = x @ x.t() / n + torch.eye(n)  # [n, n] positive definite
+            diag = H.diagonal().clone()
+            return lambda: compiled.inverse_cholesky(H, diag)
+        return self._rate(("compiled factorisation", n), 2 * n**3 / 3, make)
+
+    def compiled_gemm(self, m: int, k: int, n: int) -> float:
+        """ptq's compiled C -= A @ B (compiled.gemm_subtract), [m, k] @ [k, n] float32, the
+        columns of C split over torch's threads as the column loop splits them; 0 where it
+        does not run (no AVX-512)."""
+        from ptq.algorithms import compiled
+        from ptq.devices import cpu_parallel
+
+        if not compiled.linalg_available():
+            return 0.0
+
+        def make():
+            C, A, B = torch.randn(m, n), torch.randn(m, k), torch.randn(k, n)
+            threads = torch.get_num_threads()
+            cuts = [n * t // threads // 16 * 16 for t in range(threads)] + [n]
+            tasks = [functools.partial(compiled.gemm_subtract, C[:, a:b], A, B[:, a:b])
+                     for a, b in zip(cuts, cuts[1:]) if b > a]
+            return lambda: cpu_parallel(tasks, threads)
+        return self._rate(("compiled gemm", m, k, n), 2 * m * k * n, make)
+
     def rank1(self, out: int, block: int = BLOCK) -> float:
         """addr_ on block / 2 rows of [out]: the column loop's update inside a block, on average."""
         def make():
@@ -108,18 +149,17 @@ class Rates:
 class Floor:
     forward: float  # seconds of each part
     hessians: float
-    cholesky: float
-    inverse: float
+    factorisation: float  # Cholesky and the inverse of its factor
     loop: float
     tflop: float  # all parts
 
     @property
     def seconds(self) -> float:
-        return self.forward + self.hessians + self.cholesky + self.inverse + self.loop
+        return self.forward + self.hessians + self.factorisation + self.loop
 
     def parts(self) -> str:
-        return (f"forward {self.forward:.2f} + Hessians {self.hessians:.2f} + Cholesky {self.cholesky:.2f} + "
-                f"inverse {self.inverse:.2f} + column loop {self.loop:.2f} s")
+        return (f"forward {self.forward:.2f} + Hessians {self.hessians:.2f} + Cholesky and inverse "
+                f"{self.factorisation:.2f} + column loop {self.loop:.2f} s")
 
 
 def transformers_forward(path, ids: torch.Tensor, repeats: int = 2) -> float:
@@ -155,8 +195,10 @@ def hessian_macs(n: int, tiles: bool = False) -> float:
     return HessianObserver.macs(n, tiles)
 
 
-def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
-    """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens."""
+def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool = True) -> Floor:
+    """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens.
+    compiled_solves=False leaves ptq's compiled factorisation and GEMM out of the solves'
+    rates (LAPACK's and torch's alone: the floor as runs before they existed measured it)."""
     from ptq.algorithms import compiled
     from ptq.devices import bf16_valued_gemms_exact, compute_dtype_for
 
@@ -190,10 +232,14 @@ def floor_of(config, samples: int, seq: int, rates: Rates) -> Floor:
     hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones
     flops += 2 * tokens * layers * (3 * hessian_macs(h, tiles(h)) + hessian_macs(i, tiles(i)))
     weights = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of each solve
-    cholesky = inverse = loop = 0.0
+    factorisation = loop = 0.0
     for out, n in weights:
-        cholesky += layers * n**3 / 3 / rates.cholesky(n)
-        inverse += layers * n**3 / 3 / rates.triangular_inverse(n)
-        loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / rates.gemm(n, BLOCK, out, torch.float32))
+        lapack = n**3 / 3 / rates.cholesky(n) + n**3 / 3 / rates.triangular_inverse(n)
+        compiled_rate = rates.factorisation(n) if compiled_solves else 0.0
+        factorisation += layers * (min(lapack, 2 * n**3 / 3 / compiled_rate) if compiled_rate else lapack)
+        lazy_rate = rates.gemm(n, BLOCK, out, torch.float32)
+        if compiled_solves:
+            lazy_rate = max(lazy_rate, rates.compiled_gemm(n, BLOCK, out))
+        loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / lazy_rate)
         flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
-    return Floor(forward / 1e9, hessians / 1e9, cholesky / 1e9, inverse / 1e9, loop / 1e9, flops / 1e12)
+    return Floor(forward / 1e9, hessians / 1e9, factorisation / 1e9, loop / 1e9, flops / 1e12)

@@ -253,7 +253,8 @@ def floor_table(args, results) -> dict[str, float]:
     import transformers
 
     rates, ratios = Rates(), {}
-    print("\nFloor: every FLOP of the GPTQ job at the rate measured here for its kind (scripts/bench_floor.py)")
+    print("\nFloor: every FLOP of the GPTQ job at the best rate measured here for its kind, ptq's compiled "
+          "kernels included (scripts/bench_floor.py)")
     for name in args.models:
         samples, seq_len = args.tokens[name]
         floor = floor_of(transformers.AutoConfig.from_pretrained(args.paths[name][0]), samples, seq_len, rates)
@@ -261,6 +262,12 @@ def floor_table(args, results) -> dict[str, float]:
         ratios[name] = quantize / floor.seconds
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
+        lax = floor_of(transformers.AutoConfig.from_pretrained(args.paths[name][0]), samples, seq_len, rates,
+                       compiled_solves=False)
+        if lax.seconds != floor.seconds:
+            print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
+                  f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "
+                  f"ptq {quantize / lax.seconds:.2f}x that")
         plain = transformers_forward(args.paths[name][0], torch.load(args.paths[name][1], weights_only=True))
         with_glue = floor.seconds - floor.forward + plain
         print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
