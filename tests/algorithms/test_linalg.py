@@ -1,0 +1,83 @@
+"""ptq's compiled float32 linear algebra (linalg.c): the Cholesky factor's inverse and the
+GEMM of GPTQ's lazy updates, against float64, on any shapes, the same bits however the
+output is sliced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ptq.algorithms import compiled
+
+pytestmark = pytest.mark.skipif(not compiled.linalg_available(), reason="needs the compiled library and AVX-512")
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 97, 300])
+def test_compiled_inverse_of_the_factor(n):
+    # L⁻¹ of the damped matrix's factor against float64: lower with exact zeros above, within
+    # 1e-6 of its largest entry (LAPACK's float32 is within about 1e-7 on these); only the
+    # lower triangle is read (the upper holds garbage here); the same bits on a second call
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2 * n + 3, n, generator=g) * torch.linspace(0.2, 2, n)
+    H = x.t() @ x / n
+    diag = H.diagonal() * 1.01
+    garbage = H.tril() + torch.full((n, n), float("nan")).triu(1)
+    X = compiled.inverse_cholesky(garbage, diag)
+    exact = H.double().clone()
+    exact.diagonal().copy_(diag.double())
+    expected = torch.linalg.inv(torch.linalg.cholesky(exact))
+    assert torch.equal(X, X.tril())
+    assert float((X.double() - expected).abs().max() / expected.abs().max()) < 1e-6
+    assert torch.equal(X, compiled.inverse_cholesky(garbage, diag))
+    assert torch.equal(X, compiled.inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
+
+
+def test_compiled_factorisation_says_what_failed():
+    n = 70
+    H = torch.eye(n)
+    H[40, 41] = H[41, 40] = 2.0  # indefinite in rows 40-41: the pivot of row 41 is 1 - 4 < 0
+    assert compiled.inverse_cholesky(H, H.diagonal().clone()) is None
+    nan = torch.eye(n)
+    nan[50, 3] = float("nan")
+    assert compiled.inverse_cholesky(nan, nan.diagonal().clone()) is None
+    # L = I - 64 on the first subdiagonal, exactly L Lᵀ's factor in float32 (pivots 4097 -
+    # 64² = 1), but L⁻¹[i, j] = 64^(i - j) overflows float32 beyond 21 rows
+    L = torch.eye(n) - 64 * torch.eye(n).roll(1, 0).tril(-1)
+    steep = L @ L.t()
+    assert compiled.inverse_cholesky(steep[:21, :21].contiguous(), steep.diagonal()[:21].clone()) is not None
+    assert compiled.inverse_cholesky(steep, steep.diagonal().clone()) is None
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 33, 5), (8, 32, 128), (61, 100, 128), (300, 480, 64)])
+def test_gemm_subtract_against_float64(m, n, k):
+    # A a transposed view (GPTQ passes Hinv's rows as columns); sums within 2e-6 of C's and
+    # the products' largest magnitude (float32 rounds each of k fused multiply-adds)
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    C, A, B = torch.randn(m, n, generator=g), torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)
+    expected = C.double() - A.double() @ B.double()
+    out = C.clone()
+    compiled.gemm_subtract(out, A, B)
+    scale = float(C.abs().max() + (A.double().abs() @ B.double().abs()).max())
+    assert float((out.double() - expected).abs().max()) / scale < 2e-6
+
+
+def test_gemm_subtract_slices_give_the_bits_of_the_whole():
+    # the column loop gives each thread a slice of the output's columns (multiples of 16 but
+    # the last) and the rows after the block: any slicing, the same bits
+    g = torch.Generator().manual_seed(3)
+    C, A, B = torch.randn(203, 157, generator=g), torch.randn(203, 128, generator=g), torch.randn(128, 157, generator=g)
+    whole = C.clone()
+    compiled.gemm_subtract(whole, A, B)
+    for cuts in ([0, 16, 157], [0, 48, 96, 157], [0, 157]):
+        for rows in ([0, 203], [0, 9, 200, 203]):
+            sliced = C.clone()
+            for a, b in zip(cuts, cuts[1:]):
+                for r0, r1 in zip(rows, rows[1:]):
+                    compiled.gemm_subtract(sliced[r0:r1, a:b], A[r0:r1], B[:, a:b])
+            assert torch.equal(sliced, whole), (cuts, rows)
+    # columns outside the view keep their values (integers: C - 1 - 1 - 1 is exactly C - 3)
+    untouched = torch.randint(-100, 100, (10, 40), generator=g).float()
+    before = untouched.clone()
+    compiled.gemm_subtract(untouched[:, 5:25], torch.ones(10, 3), torch.ones(3, 20))
+    assert torch.equal(untouched[:, :5], before[:, :5]) and torch.equal(untouched[:, 25:], before[:, 25:])
+    assert torch.equal(untouched[:, 5:25], before[:, 5:25] - 3)
