@@ -120,9 +120,10 @@ class Rates:
 
     def compiled_gemm(self, m: int, k: int, n: int) -> float:
         """ptq's compiled C -= A @ B (compiled.gemm_subtract), [m, k] @ [k, n] float32, the
-        columns of C split over torch's threads as the column loop splits them; 0 where it
-        does not run (no AVX-512)."""
+        columns of C split over torch's threads as the column loop splits the weight's rows
+        (gptq_compiled.row_slices); 0 where it does not run (no AVX-512)."""
         from ptq.algorithms import compiled
+        from ptq.algorithms.gptq_compiled import row_slices
         from ptq.devices import cpu_parallel
 
         if not compiled.linalg_available():
@@ -130,11 +131,9 @@ class Rates:
 
         def make():
             C, A, B = torch.randn(m, n), torch.randn(m, k), torch.randn(k, n)
-            threads = torch.get_num_threads()
-            cuts = [n * t // threads // 16 * 16 for t in range(threads)] + [n]
-            tasks = [functools.partial(compiled.gemm_subtract, C[:, a:b], A, B[:, a:b])
-                     for a, b in zip(cuts, cuts[1:]) if b > a]
-            return lambda: cpu_parallel(tasks, threads)
+            slices = row_slices(n, torch.get_num_threads())
+            tasks = [functools.partial(compiled.gemm_subtract, C[:, a:b], A, B[:, a:b]) for a, b in slices]
+            return lambda: cpu_parallel(tasks, len(tasks))
         return self._rate(("compiled gemm", m, k, n), 2 * m * k * n, make)
 
     def rank1(self, out: int, block: int = BLOCK) -> float:

@@ -257,13 +257,13 @@ def floor_table(args, results) -> dict[str, float]:
           "kernels included (scripts/bench_floor.py)")
     for name in args.models:
         samples, seq_len = args.tokens[name]
-        floor = floor_of(transformers.AutoConfig.from_pretrained(args.paths[name][0]), samples, seq_len, rates)
+        config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
+        floor = floor_of(config, samples, seq_len, rates)
         quantize = median(results.get((name, "ptq", "gptq", "auto"), []), "quantize")
         ratios[name] = quantize / floor.seconds
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
-        lax = floor_of(transformers.AutoConfig.from_pretrained(args.paths[name][0]), samples, seq_len, rates,
-                       compiled_solves=False)
+        lax = floor_of(config, samples, seq_len, rates, compiled_solves=False)
         if lax.seconds != floor.seconds:
             print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
                   f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "

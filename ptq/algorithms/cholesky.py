@@ -101,26 +101,30 @@ def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) 
     """inverse_cholesky on one thread (on_one_thread): the compiled factorisation where the
     CPU has AVX-512, else LAPACK's Cholesky and triangular inverse (H is not changed: the
     damped matrix is a copy)."""
-    if _compiled(H):
-        for lam in damp_schedule(damp):
-            inverse = compiled.inverse_cholesky(H, base + mean * lam)  # [n, n] lower, or None
-            if inverse is not None:
-                return flip_(inverse), lam, None  # [in, in] upper
-        return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
-    eye = torch.eye(H.shape[0], dtype=H.dtype)
-    with cpu_threads(1):
-        for lam in damp_schedule(damp):
-            damped = H.clone()
-            damped.diagonal().copy_(base).add_(mean * lam)
-            L, info = torch.linalg.cholesky_ex(damped)  # [n, n] lower; reads the lower triangle
-            if int(info) == 0:
-                # eye.mT: the identity as a column-major view, which LAPACK's solve copies as
-                # it is instead of transposing (576 rows: 1.71 against 1.99 ms; same bits)
-                inverse = torch.linalg.solve_triangular(L, eye.mT, upper=False)  # [n, n] lower
-                # a float64 sum of float32 values cannot overflow: it is finite iff they all are
-                if bool(torch.isfinite(inverse.sum(dtype=torch.float64))):
-                    return flip_(inverse.tril_()), lam, None  # [in, in] upper
+    inverse_of = compiled.inverse_cholesky if _compiled(H) else _lapack_inverse_cholesky
+    for lam in damp_schedule(damp):
+        inverse = inverse_of(H, base + mean * lam)  # [n, n] lower, or None
+        if inverse is not None:
+            return flip_(inverse), lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
+
+
+def _lapack_inverse_cholesky(H: Tensor, diag: Tensor) -> Tensor | None:
+    """compiled.inverse_cholesky by LAPACK on one thread: L⁻¹ (lower, zeros above) for the
+    Cholesky factor L of H with its diagonal replaced by diag; None when that matrix is not
+    positive definite or L⁻¹ is not finite."""
+    damped = H.clone()
+    damped.diagonal().copy_(diag)
+    with cpu_threads(1):
+        L, info = torch.linalg.cholesky_ex(damped)  # [n, n] lower; reads the lower triangle
+        if int(info) != 0:
+            return None
+        # eye.mT: the identity as a column-major view, which LAPACK's solve copies as it is
+        # instead of transposing (576 rows: 1.71 against 1.99 ms; same bits)
+        eye = torch.eye(H.shape[0], dtype=H.dtype)
+        inverse = torch.linalg.solve_triangular(L, eye.mT, upper=False)  # [n, n] lower
+    # a float64 sum of float32 values cannot overflow: it is finite iff they all are
+    return inverse.tril_() if bool(torch.isfinite(inverse.sum(dtype=torch.float64))) else None
 
 
 def _parallel(tasks: list, A: Tensor, threads: int) -> list:

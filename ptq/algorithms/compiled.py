@@ -159,35 +159,32 @@ def dot(a: Tensor, b: Tensor) -> float:
 def amx() -> bool:
     """Whether sums of bf16 products can run on AMX tiles here (gram_amx.c): the library is
     built, the CPU has AMX-BF16 and the OS granted this process its tile state."""
-    lib = library()[0]
-    return lib is not None and _amx_granted(lib)
-
-
-@functools.cache
-def _amx_granted(lib: ctypes.CDLL) -> bool:
-    return bool(lib.ptq_amx_available())
+    return _library_says("ptq_amx_available")
 
 
 def gram_kernel() -> str | None:
     """How GramTiles sums bf16 products here: "AMX" (tiles), "AVX512-BF16" (VDPBF16PS, on
     a CPU that has it without AMX), or None (no such CPU, or the library is not built)."""
-    lib = library()[0]
-    if lib is None:
-        return None
-    if _amx_granted(lib):
+    if amx():
         return "AMX"
     return "AVX512-BF16" if avx512_bf16() else None
 
 
 def avx512_bf16() -> bool:
     """Whether the library's VDPBF16PS code runs here (built; AVX512-F, BW, VL and BF16)."""
+    return _library_says("ptq_avx512bf16_available")
+
+
+def _library_says(probe: str) -> bool:
+    """Whether the library is built and its probe (a C function that tests the CPU, e.g.
+    ptq_amx_available) says yes; asked once per process."""
     lib = library()[0]
-    return lib is not None and _avx512_bf16(lib)
+    return lib is not None and _probe(lib, probe)
 
 
 @functools.cache
-def _avx512_bf16(lib: ctypes.CDLL) -> bool:
-    return bool(lib.ptq_avx512bf16_available())
+def _probe(lib: ctypes.CDLL, probe: str) -> bool:
+    return bool(getattr(lib, probe)())
 
 
 class GramTiles:
@@ -259,13 +256,7 @@ class QuadraticForm:
 def linalg_available() -> bool:
     """Whether inverse_cholesky and gemm_subtract run here (the library is built and the
     CPU has AVX-512)."""
-    lib = library()[0]
-    return lib is not None and _linalg_available(lib)
-
-
-@functools.cache
-def _linalg_available(lib: ctypes.CDLL) -> bool:
-    return bool(lib.ptq_linalg_available())
+    return _library_says("ptq_linalg_available")
 
 
 def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:

@@ -43,6 +43,14 @@ def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) ->
     return "compiled"
 
 
+def row_slices(rows: int, threads: int) -> list[tuple[int, int]]:
+    """The weight's rows [r0, r1) each thread takes through the loop: about equal, starting
+    at multiples of 16, none under MIN_ROWS_PER_THREAD rows (fewer threads then)."""
+    threads = max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
+    edges = [rows * k // threads // 16 * 16 for k in range(threads)] + [rows]
+    return list(zip(edges, edges[1:]))
+
+
 class BlockLoop:
     """The compiled loop over one weight: `solve(block_size)` runs it, a block of positions
     at a time.
@@ -66,12 +74,9 @@ class BlockLoop:
         self._keep = (group, first, members, importance, candidates)  # alive while C reads them
         for t in (Wt, E, Qt, scale) + (() if zero is None else (zero,)):
             assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
-        rows = Wt.shape[1]
-        threads = max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
-        edges = [rows * k // threads // 16 * 16 for k in range(threads)] + [rows]
-        self._slices = list(zip(edges, edges[1:]))
+        self._slices = row_slices(Wt.shape[1], threads)
         self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2
-            Wt.data_ptr(), rows, Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
+            Wt.data_ptr(), Wt.shape[1], Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
             compiled.KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
