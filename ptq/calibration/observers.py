@@ -33,7 +33,7 @@ class Observer:
 class HessianObserver(Observer):
     """H = 2/N · Σ x xᵀ over all N tokens seen: float32 [in, in].
 
-    H is symmetric: the features are split into blocks of about BLOCK and only the blocks
+    H is symmetric: the features are split into blocks (row_blocks) and only the blocks
     on and above the diagonal are accumulated (with 11 blocks, 66 of 121: 45% fewer FLOPs);
     the others are mirrored when H is read.
 
@@ -63,6 +63,7 @@ class HessianObserver(Observer):
     """
 
     BLOCK = 256
+    SPLIT, NARROWEST = 6, 64  # smaller H: at least SPLIT rows of blocks, none under NARROWEST rows
     TILE_PIECES = 2  # on AMX tiles: blocks of rows per thread, of about equal work
     PENDING_TOKENS = 2048  # on a CPU, tokens gathered before the GEMMs run (fewer, longer ones)
     PENDING_BYTES = 64 * 2**20  # at most, for wide inputs (with the AMX tiles' buffers)
@@ -81,7 +82,11 @@ class HessianObserver(Observer):
     @classmethod
     def row_blocks(cls, n: int, tiles: bool = False) -> list[int]:
         """Where the rows of blocks of n features start and end: about BLOCK rows each for
-        GEMMs; on AMX tiles (tiles; n a multiple of 32), which sum only the 32 x 32 blocks on
+        GEMMs, and for fewer than SPLIT * BLOCK features SPLIT rows (of NARROWEST rows at
+        least): rows of blocks cost n - a, so a few wide ones leave threads idle (256
+        features were one GEMM on one thread; 576 two, of 2:1 work) and sum more of the lower
+        triangle (on a 2-core AVX2 EPYC, 2048 tokens: 256 features 3.25 -> 1.18 ms, 576 9.1 ->
+        6.1 ms, 768 11.4 -> 9.7 ms on two threads). On AMX tiles (tiles; n a multiple of 32), which sum only the 32 x 32 blocks on
         and above the diagonal, TILE_PIECES blocks of about equal work per thread."""
         if tiles:  # blocks of about equal work: rows of 32 features g = 0, 1, ... cost n - 32g
             groups = n // 32
@@ -92,7 +97,7 @@ class HessianObserver(Observer):
                 if done * pieces >= total * len(edges):
                     edges.append(32 * (g + 1))
             return edges + [n]
-        blocks = max(1, n // cls.BLOCK)
+        blocks = max(1, n // cls.BLOCK, min(cls.SPLIT, n // cls.NARROWEST))
         return [n * b // blocks for b in range(blocks + 1)]
 
     @classmethod
