@@ -1,6 +1,8 @@
-"""The calibration passes' causal attention on a CPU with AVX512-BF16: compiled
-(ptq/cpu_attention.c) in place of torch's scaled_dot_product_attention, which transformers'
-"sdpa" implementation calls and which stays the reference (tests compare the two).
+"""The calibration passes' causal attention on a CPU: compiled (ptq/cpu_attention.c) in place
+of torch's scaled_dot_product_attention, which transformers' "sdpa" implementation calls and
+which stays the reference (tests compare the two). bf16 passes take it on a CPU with
+AVX512-BF16, float32 ones (a float32 model, or any on a CPU without fast bf16) on one with
+AVX2 and FMA.
 
 torch's CPU kernel runs at 60-70 GFLOP/s on one core of a 2-core EPYC (Zen 5) for
 SmolLM2's heads (256 positions, 64 dimensions), a fifth of the bf16 GEMM rate: 3.2
@@ -10,9 +12,14 @@ weights rounded to bf16 for the product with V) 4-6 times as fast, with the same
 against float64 (94-99% of its outputs the very bf16 torch's gives): quantize 9.3-10.5 ->
 8.5-8.9 s on the SmolLM2-shaped model, 1.04 -> 0.76 s on the bundled one.
 
-Only where it computes what sdpa would: bf16 tensors on a CPU, no attention mask (the
-causal mask transformers leaves to is_causal), no dropout, no position bias, no softcap or
-sinks, as many queries as keys, a head dimension that is a multiple of 32. Any other call
+In float32, torch's kernel runs at 28-33 GFLOP/s (causal FLOPs) on one core of a 2-core
+AVX2 EPYC (Zen 3), against 70-85 for its float32 GEMMs; the compiled one (float32
+throughout: scores, softmax, weights and sums) at about twice that.
+
+Only where it computes what sdpa would: bf16 or float32 tensors on a CPU, no attention mask
+(the causal mask transformers leaves to is_causal), no dropout, no position bias, no softcap
+or sinks, as many queries as keys, a head dimension that is a multiple of 32 (bf16) or 16
+(float32). Any other call
 goes to transformers' sdpa function and is counted; the report's notes name how many and
 the first reason, and `calibration_attention` in ptq.json says whether it applied.
 """
@@ -38,31 +45,38 @@ _CHANGES_THE_MATH = frozenset({"softcap", "s_aux", "sinks", "position_bias", "he
 _POSITIONS = frozenset({"position_ids", "cache_position"})  # tensors that do not (rotary already applied)
 
 
-def available() -> bool:
-    """Whether the compiled kernel runs here: the library is built and the CPU has
-    AVX512-BF16 (AMX CPUs have it too)."""
-    return compiled.avx512_bf16()
+HEAD_MULTIPLE = {torch.bfloat16: 32, torch.float32: 16}  # the kernels' head dimensions: multiples of these
+
+
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the compiled kernel for tensors of this dtype runs here: the library is
+    built and the CPU has AVX512-BF16 (AMX CPUs have it too) for bf16, AVX2 and FMA for
+    float32."""
+    if dtype == torch.bfloat16:
+        return compiled.avx512_bf16()
+    return dtype == torch.float32 and compiled.attention_f32()
 
 
 def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
     """softmax(q kᵀ · scale, causal) v for query [B, H, S, D] and key, value [B, KV, S, D]
-    (bf16, CPU, unit stride along D; H a multiple of KV, D of 32): [B, S, H, D] bf16, the
-    layout transformers' attention functions return. Samples are split across torch's
-    threads (the same bits on any count)."""
+    (bf16 or float32, CPU, unit stride along D; H a multiple of KV, D of HEAD_MULTIPLE):
+    [B, S, H, D] in their dtype, the layout transformers' attention functions return.
+    Samples are split across torch's threads (the same bits on any count)."""
     B, H, S, D = query.shape
-    KV = key.shape[1]
-    assert available() and query.dtype == key.dtype == value.dtype == torch.bfloat16
-    assert key.shape == value.shape == (B, KV, S, D) and H % KV == 0 and D % 32 == 0
+    KV, dtype = key.shape[1], query.dtype
+    assert available(dtype) and dtype == key.dtype == value.dtype
+    assert key.shape == value.shape == (B, KV, S, D) and H % KV == 0 and D % HEAD_MULTIPLE[dtype] == 0
     assert query.stride(3) == key.stride(3) == value.stride(3) == 1
-    out = torch.empty(B, S, H, D, dtype=torch.bfloat16)
+    out = torch.empty(B, S, H, D, dtype=dtype)
     strides = torch.tensor([*query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
                             out.stride(0), out.stride(2), out.stride(1)], dtype=torch.int64)
     lib = compiled.library()[0]
+    kernel = lib.ptq_attention_causal if dtype == torch.bfloat16 else lib.ptq_attention_causal_f32
     threads = min(torch.get_num_threads(), B)
 
     def samples(b0: int, b1: int) -> None:
-        code = lib.ptq_attention_causal(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
-                                        b0, b1, H, KV, S, D, strides.data_ptr(), ctypes.c_float(scale))
+        code = kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
+                      b0, b1, H, KV, S, D, strides.data_ptr(), ctypes.c_float(scale))
         if code != 0:
             raise MemoryError(f"ptq's compiled attention could not allocate its buffers for {S} positions")
 
@@ -101,7 +115,7 @@ COUNTS = Counts()  # of the compiled_attention block running now (calibration ru
 def _why_not(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float,
              is_causal, kwargs: dict) -> str | None:
     """Why the compiled kernel would not compute what sdpa does for this call, or None."""
-    if query.device.type != "cpu" or not query.dtype == key.dtype == value.dtype == torch.bfloat16:
+    if query.device.type != "cpu" or not query.dtype == key.dtype == value.dtype or not available(query.dtype):
         return f"{query.dtype} on {query.device.type}"
     if attention_mask is not None:
         return "an attention mask (padding)"
@@ -112,8 +126,9 @@ def _why_not(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atten
         return "not causal"
     if query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return "queries and keys of different lengths"
-    if query.shape[-1] % 32 or query.shape[1] % key.shape[1] or key.shape != value.shape:
-        return f"head dimension {query.shape[-1]} (a multiple of 32 runs compiled)"
+    multiple = HEAD_MULTIPLE[query.dtype]
+    if query.shape[-1] % multiple or query.shape[1] % key.shape[1] or key.shape != value.shape:
+        return f"head dimension {query.shape[-1]} (a multiple of {multiple} runs compiled)"
     extra = {k for k, v in kwargs.items() if v is not None and (
         k in _CHANGES_THE_MATH or (isinstance(v, Tensor) and k not in _POSITIONS))}
     if kwargs.get("output_attentions"):
@@ -155,8 +170,8 @@ def _registered() -> bool:
 def _swapped_configs(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
     """The configs compiled_attention swaps: those of the model's modules that choose
     transformers' "sdpa" attention, where the kernel is here and the passes run on a CPU
-    in bf16 (the activations' dtype); none elsewhere."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not available():
+    in a dtype it computes (the activations'); none elsewhere."""
+    if torch.device(device).type != "cpu" or not available(dtype):
         return []
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_attn_implementation", None) == "sdpa"}
@@ -173,7 +188,7 @@ def applies(model: nn.Module, device: torch.device | str, dtype: torch.dtype) ->
 def compiled_attention(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> Iterator[Counts | None]:
     """Inside the block, the model's "sdpa" attention runs as attention_forward (on every
     config that names it); yields the block's Counts, or None where nothing changes
-    (no kernel here, passes on a GPU or in float32, another attention)."""
+    (no kernel here for the dtype, passes on a GPU, another attention)."""
     global COUNTS
     configs = _swapped_configs(model, device, dtype)
     if not configs:

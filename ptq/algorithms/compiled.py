@@ -32,7 +32,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 6  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 7  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -79,6 +79,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I]
     lib.ptq_attention_causal.restype = ctypes.c_int
     lib.ptq_attention_causal.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _F]
+    lib.ptq_attention_causal_f32.restype = ctypes.c_int
+    lib.ptq_attention_causal_f32.argtypes = lib.ptq_attention_causal.argtypes
+    lib.ptq_attention_f32_available.restype = ctypes.c_int
+    lib.ptq_attention_f32_available.argtypes = []
     lib.ptq_gram_quadratic.restype = ctypes.c_double
     lib.ptq_gram_quadratic.argtypes = [_P, _I, _I, _P]
     lib.ptq_gram_quadratic_avx512.restype = ctypes.c_double
@@ -173,6 +177,11 @@ def gram_kernel() -> str | None:
 def avx512_bf16() -> bool:
     """Whether the library's VDPBF16PS code runs here (built; AVX512-F, BW, VL and BF16)."""
     return _library_says("ptq_avx512bf16_available")
+
+
+def attention_f32() -> bool:
+    """Whether the library's float32 causal attention runs here (built; AVX2 and FMA)."""
+    return _library_says("ptq_attention_f32_available")
 
 
 def _library_says(probe: str) -> bool:
