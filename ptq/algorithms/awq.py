@@ -31,8 +31,9 @@ itself, o_proj or down_proj, both losses are the Gram one).
 
 Search and apply are separate: `awq_search` and `awq_clip_search` return plain tensors;
 `apply_awq_` and `apply_clip_` change modules in place. The arithmetic is float32 but for
-the Gram loss's GEMMs (in the forward pass's precision) and follows the inputs' device; on
-a CPU the candidate weights come from the compiled grid (ptq.algorithms.compiled).
+the Gram loss's GEMMs on an accelerator (in the forward pass's precision) and follows the
+inputs' device; on a CPU the candidate weights come from the compiled grid
+(ptq.algorithms.compiled).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ shares of the samples add them (ptq.distributed.all_reduce_) and all choose alik
 
 CANDIDATE_ELEMENTS = 1 << 25  # candidate weights [c, out, in] held at once: 128 MiB of float32
 TASK_ELEMENTS = 1 << 20  # the Gram loss's candidates per task: this many weights (one at least)
+GRAM_COLUMNS = 96  # the Gram loss's GEMMs: G's columns per block (_upper_blocks)
 
 
 def grid_candidates(
@@ -198,42 +200,58 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
 
     The output error of a candidate is X·ΔWᵀ (the bias cancels), so its squared sum is
     Σ ΔW ∘ (ΔW·G), ΔW = candidate weight − W: out·in² multiply-adds per candidate instead of
-    tokens·in·out, for the weights' rows stacked into one W. The GEMM runs in the forward
-    pass's precision: bf16 for bf16 weights (ΔW and G rounded to bf16, the products summed
-    in float32, the GEMM's output rounded to bf16), float32 otherwise; the sum of the
-    products in float64 (its runs in float32 on a CPU; compiled.dot). On a CPU with AMX or
-    AVX512-BF16, bf16 weights whose shape is a multiple of 32 take compiled.QuadraticForm instead: the
-    same bf16 ΔW and G, the output not rounded (within 1e-7 of the exact loss, against
-    about 1e-4), half the multiply-adds (G is symmetric) and no ΔW·G in memory: twice the
-    GEMM's speed and more. Candidates go TASK_ELEMENTS weights to a task; on a CPU each
-    task's GEMM runs on one thread (cpu_parallel), so the bits do not depend on the thread
-    count.
+    tokens·in·out, for the weights' rows stacked into one W.
+
+    - On a CPU with AMX or AVX512-BF16, bf16 weights whose shape is a multiple of 32 take
+      compiled.QuadraticForm: ΔW and G rounded to bf16, the products summed in float32,
+      nothing else rounded (within 1e-7 of the exact loss of those inputs), half the
+      multiply-adds (G is symmetric) and no ΔW·G in memory.
+    - Elsewhere on a CPU, float32 GEMMs of ΔW and G, for bf16 weights both rounded to bf16
+      first (the same inputs and sums as QuadraticForm's, in another order: bf16 GEMMs there
+      would be slow, or round the outputs ΔW·G to bf16, about 1e-4 off, which changed one of
+      the three ratios of the bundled model's first block), G being
+      symmetric in blocks of GRAM_COLUMNS of its columns, each with only its rows on and
+      above the diagonal block, those above doubled (_upper_blocks): 55-60% of the
+      multiply-adds (on a 2-core AVX2 EPYC 1.3-1.9x faster on SmolLM2's shapes than one
+      GEMM, as accurate: within 1e-9 of float64).
+    - On an accelerator, one GEMM in the forward pass's precision: bf16 for bf16 weights
+      (ΔW and G rounded to bf16, the output too), float32 otherwise.
+
+    The products of the GEMMs' outputs with ΔW are summed in float64. Candidates go
+    TASK_ELEMENTS weights to a task; on a CPU each task's GEMMs run on one thread
+    (cpu_parallel), so the bits do not depend on the thread count.
     """
     W = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [out, in]
     out_features, in_features = W.shape
-    gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32  # float16 G would overflow
+    on_accelerator = W.device.type != "cpu"  # float16 G would overflow: float32 for float16 weights
+    gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 and on_accelerator else torch.float32
     W32 = W.float().contiguous()  # [out, in]
     compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
-    if compiled_grid and gemm_dtype == torch.bfloat16 and compiled.gram_kernel() and W.shape[0] % 32 == 0 \
+    if compiled_grid and W.dtype == torch.bfloat16 and compiled.gram_kernel() and W.shape[0] % 32 == 0 \
             and W.shape[1] % 32 == 0:
         form = compiled.QuadraticForm(gram)
     else:
-        form, G = None, gram.to(device=W.device, dtype=gemm_dtype)  # [in, in]
+        # bf16 weights: ΔW and G rounded to bf16 as for QuadraticForm, whatever the GEMMs' dtype
+        delta_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32
+        G = gram.to(device=W.device, dtype=delta_dtype).to(gemm_dtype)  # [in, in]
+        form, blocks = None, _upper_blocks(G, in_features if on_accelerator else GRAM_COLUMNS)
 
     def squared_errors(part: Tensor) -> list[float]:  # part [k, in]: k candidates
         if form is not None:
             d = torch.empty(W.shape, dtype=torch.bfloat16)  # [out, in]: each candidate's in turn
             return [form.of(compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)) for s in part]
         if compiled_grid:
-            dW = torch.empty((len(part), *W.shape), dtype=gemm_dtype)  # [k, out, in]
+            dW = torch.empty((len(part), *W.shape), dtype=delta_dtype)  # [k, out, in]
             for s, d in zip(part, dW):
                 compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)
         else:
-            dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(gemm_dtype)  # [k, out, in]
-        dWG = (dW.view(-1, in_features) @ G).view_as(dW)
-        if compiled_grid:
-            return [compiled.dot(a, b) for a, b in zip(dWG, dW)]
-        return dWG.float().mul_(dW.float()).flatten(1).sum(dim=1, dtype=torch.float64).tolist()
+            dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(delta_dtype)  # [k, out, in]
+        dW = dW.to(gemm_dtype)
+        flat, sums = dW.view(-1, in_features), torch.zeros(len(part), dtype=torch.float64, device=W.device)
+        for a, b, upper in blocks:  # Σ ΔW[:, a:b] ∘ (ΔW[:, :b] · upper)
+            products = (flat[:, :b] @ upper).view(len(part), -1, b - a).float().mul_(dW[:, :, a:b].float())
+            sums += products.flatten(1).sum(dim=1, dtype=torch.float64)
+        return sums.tolist()
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
@@ -244,6 +262,15 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
         return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=W.device).float()
 
     return loss
+
+
+def _upper_blocks(G: Tensor, columns: int) -> list[tuple[int, int, Tensor]]:
+    """G [in, in] symmetric in blocks of `columns` columns [a, b), each with its rows [0, b):
+    those above the diagonal block doubled (exactly: a power of two), so that
+    Σ_blocks d[a:b] · (d[:b] · block) = d G dᵀ for any row d (columns >= in: G itself)."""
+    n = G.shape[0]
+    edges = list(range(0, n, columns)) + [n]
+    return [(a, b, torch.cat([G[:a, a:b] * 2, G[a:b, a:b]])) for a, b in zip(edges, edges[1:])]
 
 
 def make_module_loss(

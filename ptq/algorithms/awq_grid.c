@@ -1,4 +1,4 @@
-/* AWQ's grid of candidate weights on a CPU, compiled, and the dot products of its loss.
+/* AWQ's grid of candidate weights on a CPU, compiled.
 
    The torch reference is ptq/algorithms/awq.py (candidate_weights) over
    ptq/primitives.py (fake_quantize): for candidate scales s [in], each row's groups of W·s
@@ -21,8 +21,6 @@
    weights (tests/algorithms/test_awq_compiled.py checks edge values). */
 
 #include "quant_math.h"
-
-enum { LANES = 16 };
 
 /* x = w·s over one group, and its min and max. Finite math lets min and max vectorize; they
    are exact, so the order they run in changes nothing (but the sign of a zero range end,
@@ -261,44 +259,6 @@ int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const
     (void)portable;
     free(x);
     return 0;
-}
-
-static inline float bf16_value(uint16_t bits) {
-    const uint32_t u = (uint32_t)bits << 16;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-/* Σ a·b over n elements of float32 or bf16 (kind): products and runs of STRIDE of them
-   summed in float32 (in LANES partial sums; bf16 products are exact), the runs in float64,
-   in a fixed order, so the result is the same on every CPU. */
-#define DOT(name, T, VALUE)                                                                                    \
-    VECTORIZED static double name(const T *x, const T *y, int64_t n) {                                         \
-        double acc[LANES] = {0};                                                                               \
-        int64_t i = 0;                                                                                         \
-        for (; i + STRIDE <= n; i += STRIDE) {                                                                 \
-            float run[LANES] = {0};                                                                            \
-            for (int64_t k = 0; k < STRIDE; k += LANES)                                                        \
-                for (int64_t l = 0; l < LANES; l++)                                                            \
-                    run[l] += VALUE(x[i + k + l]) * VALUE(y[i + k + l]);                                       \
-            for (int64_t l = 0; l < LANES; l++)                                                                \
-                acc[l] += run[l];                                                                              \
-        }                                                                                                      \
-        for (; i < n; i++)                                                                                     \
-            acc[0] += (double)VALUE(x[i]) * (double)VALUE(y[i]);                                               \
-        double total = 0;                                                                                      \
-        for (int64_t l = 0; l < LANES; l++)                                                                    \
-            total += acc[l];                                                                                   \
-        return total;                                                                                          \
-    }
-#define F32_VALUE(x) (x)
-enum { STRIDE = 16 * LANES };
-DOT(dot_bf16, uint16_t, bf16_value)
-DOT(dot_f32, float, F32_VALUE)
-
-double ptq_awq_dot(const void *a, const void *b, int64_t n, int32_t kind) {
-    return kind == SCALE_BF16 ? dot_bf16(a, b, n) : dot_f32(a, b, n);
 }
 
 /* the arguments' version of this library's functions (PTQ_COMPILED_ABI) */

@@ -65,8 +65,6 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gptq_has_float16.restype = ctypes.c_int
     lib.ptq_awq_candidates.restype = ctypes.c_int
     lib.ptq_awq_candidates.argtypes = [_I, _I, _P, _I, _P, _I, _C, _F, _F, _C, _C, _C, _C, _P, _C]
-    lib.ptq_awq_dot.restype = ctypes.c_double
-    lib.ptq_awq_dot.argtypes = [_P, _P, _I, _C]
     lib.ptq_amx_available.restype = ctypes.c_int
     lib.ptq_amx_available.argtypes = []
     lib.ptq_gram_pack.restype = None
@@ -150,14 +148,6 @@ def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dt
     if status:
         raise MemoryError("AWQ's compiled grid ran out of memory for one row")
     return out
-
-
-def dot(a: Tensor, b: Tensor) -> float:
-    """Σ a·b in float64 (exact products, a fixed order): a and b contiguous, of one dtype,
-    float32 or bf16."""
-    assert a.shape == b.shape and a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16)
-    assert a.is_contiguous() and b.is_contiguous()
-    return library()[0].ptq_awq_dot(a.data_ptr(), b.data_ptr(), a.numel(), KINDS[a.dtype])
 
 
 def amx() -> bool:

@@ -149,7 +149,10 @@ def _capture(model, ids, inspect: nn.Module, first_balance: nn.Linear):
 
 
 def _compare_block(model, block, ids, n_grid, duo_scaling) -> int:
-    """Both searches on every mapping of the block: the number of mappings compared."""
+    """Both searches on every mapping of the block: the number of mappings compared. They
+    choose alike; but where the Gram loss stands in for a forward pass in bf16, which rounds
+    its outputs to bf16, a near tie may go the other way: there the batched choice must have
+    the lower float64 loss."""
     mappings = block_mappings(model, block)[0]
     for resolved in mappings:
         linears = list(resolved.balance)
@@ -158,6 +161,12 @@ def _compare_block(model, block, ids, n_grid, duo_scaling) -> int:
         with torch.no_grad():
             expected = _unbatched_search(x_mean, linears, resolved.inspect, calls, n_grid, duo_scaling)
             got = _batched_search(x_mean, linears, resolved.inspect, calls, X, n_grid, duo_scaling)
+        gram_in_bf16 = len(linears) == 1 and resolved.inspect is linears[0] and X.dtype == torch.bfloat16
+        if got != expected and gram_in_bf16:
+            scales, labels = grid_candidates(x_mean, weight_mean([linears[0].weight], W4G32), n_grid, duo_scaling)
+            exact = _exact_sums(linears[0], X, scales)
+            assert float(exact[labels.index(got)]) < float(exact[labels.index(expected)]), (got, expected)
+            continue
         assert got == expected, (resolved.mapping.describe(), got, expected)
     return len(mappings)
 
@@ -171,8 +180,10 @@ def test_batched_search_chooses_the_ratios_of_the_unbatched_one(family):
 
 
 def test_batched_search_chooses_the_ratios_of_the_unbatched_one_on_the_bundled_model(tokenizer):
-    """bf16: the Gram loss has no rounding of the outputs, the forward pass has; on this
-    seed's first block the choices agree all the same."""
+    """bf16: the Gram loss has no rounding of the outputs, the forward pass has. On this
+    seed's first block down_proj's ratios 0.25 and 0.35 are 1.2e-4 apart in float64 (0.25
+    the better), less than the forward pass's rounding: it chooses 0.35 on an AVX2 CPU, the
+    Gram loss 0.25 (_compare_block checks that it is the better one)."""
     from ptq.calibration.data import calibration_batches
 
     model, _ = ptq.load_model()
