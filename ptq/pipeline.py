@@ -19,6 +19,7 @@ from torch import nn
 
 from ptq import cpu_attention, moe
 from ptq.algorithms import compiled
+from ptq.algorithms.cholesky import COMPILED
 from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
@@ -173,16 +174,20 @@ def quantize(
         report.calibration_data = _describe_data(data)
     if device.type == "cpu":
         report.cpu = cpu_settings()
-        if report.compute_dtype == torch.bfloat16 and weights_use_calibration(recipe):
-            # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)
-            kernel = compiled.gram_kernel()
-            report.cpu["bf16_hessians"] = f"{kernel} (compiled)" if kernel else "oneDNN GEMMs"
+        if weights_use_calibration(recipe):
+            if report.compute_dtype == torch.bfloat16:
+                # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)
+                kernel = compiled.gram_kernel()
+                report.cpu["bf16_hessians"] = f"{kernel} (compiled)" if kernel else "oneDNN GEMMs"
             # the calibration passes' causal attention (ptq/cpu_attention.py)
             compiled_attention = cpu_attention.applies(model, device, report.compute_dtype)
             report.cpu["calibration_attention"] = "compiled" if compiled_attention else "the model's own"
         if isinstance(step, GPTQStep) and step.scheme.weights.type == "int":
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"
+            # the Hessians' Cholesky factor and its inverse (ptq/algorithms/cholesky.py)
+            report.cpu["gptq_factorisation"] = (f"compiled up to {COMPILED} rows, LAPACK above"
+                                                if compiled.linalg_available() else "LAPACK")
             if why:
                 report.notes.append(f"GPTQ's column loop ran in torch, several times slower than compiled: {why}")
         if any(isinstance(t, AWQStep) for t in recipe.transforms):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -146,11 +147,12 @@ def test_streamed_logits_are_the_models_bit_for_bit(family, tokenizer, tmp_path)
     windows = ptq.eval_windows(tokenizer, seq_len=64, max_windows=5)
     model, _ = ptq.load_model(source)
     dtype = compute_dtype_for("cpu", next(model.parameters()).dtype)
-    cast_parameters_(model, dtype)
+    reference = copy.deepcopy(model)  # in the compute dtype; the model stays bf16 for quantize, which casts
+    cast_parameters_(reference, dtype)  # it itself after reading its dtype (the checkpoint's: bf16 scales)
     original = meta_model(source)
     cast_parameters_(original, dtype)
     with torch.no_grad():
-        before = [model(input_ids=batch, use_cache=False).logits for batch in windows.split(2)]
+        before = [reference(input_ids=batch, use_cache=False).logits for batch in windows.split(2)]
         recipe = _recipe("recipes/w4a16-rtn.yaml", tmp_path)
         ptq.quantize(model, recipe, show_progress=False)  # the in-memory path's quantized model
         after = [model(input_ids=batch, use_cache=False).logits for batch in windows.split(2)]

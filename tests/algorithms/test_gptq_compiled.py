@@ -87,6 +87,22 @@ def report_of(recipe_file: str):
     return model.ptq_report
 
 
+def test_the_report_names_the_factorisation_and_the_attention(monkeypatch):
+    from ptq import cpu_attention
+    from ptq.algorithms import compiled
+
+    report = report_of("w4a16-gptq.yaml")
+    expected = "compiled up to 1536 rows, LAPACK above" if compiled.linalg_available() else "LAPACK"
+    assert report.cpu["gptq_factorisation"] == expected
+    compiled_attention = cpu_attention.available(report.compute_dtype)  # bf16 or float32 passes
+    assert report.cpu["calibration_attention"] == ("compiled" if compiled_attention else "the model's own")
+    monkeypatch.setattr(compiled, "linalg_available", lambda: False)
+    monkeypatch.setattr(cpu_attention, "available", lambda dtype=None: False)
+    report = report_of("w4a16-gptq.yaml")
+    assert report.cpu["gptq_factorisation"] == "LAPACK"
+    assert report.cpu["calibration_attention"] == "the model's own"
+
+
 def test_forcing_the_torch_loop_is_named_in_the_report(monkeypatch):
     monkeypatch.setenv(gptq_compiled.ENV, "torch")
     report = report_of("w4a16-gptq.yaml")
