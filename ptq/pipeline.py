@@ -19,7 +19,7 @@ from torch import nn
 
 from ptq import cpu_attention, moe
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import COMPILED
+from ptq.algorithms.cholesky import compiled_rows
 from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
@@ -186,8 +186,9 @@ def quantize(
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"
             # the Hessians' Cholesky factor and its inverse (ptq/algorithms/cholesky.py)
-            report.cpu["gptq_factorisation"] = (f"compiled up to {COMPILED} rows, LAPACK above"
-                                                if compiled.linalg_available() else "LAPACK")
+            rows = compiled_rows()
+            report.cpu["gptq_factorisation"] = (f"compiled ({compiled.linalg_kind()}) up to {rows} rows, LAPACK "
+                                                "above" if rows else "LAPACK")
             if why:
                 report.notes.append(f"GPTQ's column loop ran in torch, several times slower than compiled: {why}")
         if any(isinstance(t, AWQStep) for t in recipe.transforms):

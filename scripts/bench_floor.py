@@ -19,7 +19,7 @@ and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 - Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
   inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
   or both at the rate of ptq's compiled factorisation on that size (linalg.c, one thread,
-  where the CPU has AVX-512 and the size is at most cholesky.COMPILED), whichever is faster;
+  where it runs: the size at most cholesky.compiled_rows()), whichever is faster;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
   addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
   the faster of the float32 GEMM's rate on [in, B] @ [B, out] and ptq's compiled GEMM's,
@@ -105,10 +105,10 @@ class Rates:
 
     def factorisation(self, n: int) -> float:
         """ptq's compiled Cholesky and inverse of its factor (linalg.c, one thread) on [n, n],
-        as 2n³/3 FLOPs; 0 where it does not run (no AVX-512, or more than cholesky.COMPILED rows)."""
+        as 2n³/3 FLOPs; 0 where it does not run (more than cholesky.compiled_rows() rows)."""
         from ptq.algorithms import cholesky, compiled
 
-        if not compiled.linalg_available() or n > cholesky.COMPILED:
+        if n > cholesky.compiled_rows():
             return 0.0
 
         def make():
@@ -126,7 +126,7 @@ class Rates:
         from ptq.algorithms.gptq_compiled import row_slices
         from ptq.devices import cpu_parallel
 
-        if not compiled.linalg_available():
+        if not compiled.gemm_available():
             return 0.0
 
         def make():

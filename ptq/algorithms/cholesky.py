@@ -18,7 +18,10 @@ the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times 
 On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
 (linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
 LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
-93) and faster than the blocked path on two threads up to 1536 rows.
+93) and faster than the blocked path on two threads up to 1536 rows. On a CPU with AVX2
+and FMA but not AVX-512 the same code in narrower tiles (the same bits) takes matrices of
+up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's 12-14 ms,
+768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
 
 Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
 while the inverse's chunks are solved, their results (about n²/2 floats). The
@@ -47,6 +50,12 @@ SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread in
 # 18 against 32; 2048 68 against 73, where its passes over the matrix no longer stay in the
 # cache, and more cores would favour the blocked path)
 COMPILED = 1536
+
+
+def compiled_rows() -> int:
+    """Up to how many rows the compiled factorisation runs here: COMPILED with AVX-512,
+    SMALL with AVX2 alone, 0 without the library (compiled.linalg_kind)."""
+    return {"AVX-512": COMPILED, "AVX2": SMALL}.get(compiled.linalg_kind(), 0)
 
 
 def damp_schedule(damp: float) -> list[float]:
@@ -88,18 +97,19 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
 
 def on_one_thread(H: Tensor) -> bool:
     """Whether inverse_cholesky factors H on one thread (a CPU matrix of at most SMALL rows,
-    or COMPILED where the compiled factorisation runs), leaving the others free for work
-    beside it. Decided by the size alone, never by the thread count: the bits stay the same."""
-    return H.device.type == "cpu" and (H.shape[0] <= SMALL or (H.shape[0] <= COMPILED and _compiled(H)))
+    or compiled_rows() where the compiled factorisation runs), leaving the others free for
+    work beside it. Decided by the size alone, never by the thread count: the bits stay the
+    same."""
+    return H.device.type == "cpu" and (H.shape[0] <= SMALL or _compiled(H))
 
 
 def _compiled(H: Tensor) -> bool:
-    return H.dtype == torch.float32 and compiled.linalg_available()
+    return H.dtype == torch.float32 and H.shape[0] <= compiled_rows()
 
 
 def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
-    """inverse_cholesky on one thread (on_one_thread): the compiled factorisation where the
-    CPU has AVX-512, else LAPACK's Cholesky and triangular inverse (H is not changed: the
+    """inverse_cholesky on one thread (on_one_thread): the compiled factorisation where it
+    runs (compiled_rows), else LAPACK's Cholesky and triangular inverse (H is not changed: the
     damped matrix is a copy)."""
     inverse_of = compiled.inverse_cholesky if _compiled(H) else _lapack_inverse_cholesky
     for lam in damp_schedule(damp):

@@ -92,7 +92,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gemm_subtract.restype = ctypes.c_int
     lib.ptq_gemm_subtract.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _I, _I]
     lib.ptq_inverse_cholesky.restype = ctypes.c_int
-    lib.ptq_inverse_cholesky.argtypes = [_P, _I, _I, _P, _P]
+    lib.ptq_inverse_cholesky.argtypes = [_P, _I, _I, _P, _P, _C]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -253,14 +253,28 @@ class QuadraticForm:
 
 
 def linalg_available() -> bool:
-    """Whether inverse_cholesky and gemm_subtract run here (the library is built and the
-    CPU has AVX-512)."""
-    return _library_says("ptq_linalg_available")
+    """Whether inverse_cholesky runs here (the library is built and the CPU has AVX-512, or
+    AVX2 and FMA)."""
+    return linalg_kind() is not None
+
+
+def gemm_available() -> bool:
+    """Whether gemm_subtract runs here (built, AVX-512)."""
+    return linalg_kind() == "AVX-512"
+
+
+@functools.cache
+def linalg_kind() -> str | None:
+    """The vector code linalg.c runs here: "AVX-512", "AVX2", or None (not built, or
+    neither)."""
+    lib = library()[0]
+    level = lib.ptq_linalg_available() if lib is not None else 0
+    return {2: "AVX-512", 1: "AVX2"}.get(level)
 
 
 def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     """C -= A @ B in place, float32 CPU tensors: C [m, n] and B [k, n] with rows of unit
-    stride, A [m, k] any strides; on this thread (linalg.c; linalg_available must have
+    stride, A [m, k] any strides; on this thread (linalg.c; gemm_available must have
     said yes). Each element is C's value less its products in order, one rounding each,
     whatever the shapes: a slice of C's rows or columns gets the bits of the whole."""
     (m, n), k = C.shape, A.shape[1]
@@ -271,20 +285,22 @@ def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     assert status == 0, "the compiled GEMM needs AVX-512"
 
 
-def inverse_cholesky(H: Tensor, diag: Tensor) -> Tensor | None:
+def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False) -> Tensor | None:
     """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
     CPU, its lower triangle read) with its diagonal replaced by diag [n], on this thread
     (linalg.c; linalg_available must have said yes); None when that matrix is
-    not positive definite or L⁻¹ is not finite."""
+    not positive definite or L⁻¹ is not finite. narrow: the AVX2 code even where the CPU has
+    AVX-512 (the same bits: for tests)."""
     n = H.shape[0]
     assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"
     H = H if H.stride(1) == 1 else H.contiguous()
     diag = diag.contiguous()
     out = torch.empty(n, n, dtype=torch.float32)
-    status = library()[0].ptq_inverse_cholesky(H.data_ptr(), n, H.stride(0), diag.data_ptr(), out.data_ptr())
+    status = library()[0].ptq_inverse_cholesky(H.data_ptr(), n, H.stride(0), diag.data_ptr(), out.data_ptr(),
+                                               int(narrow))
     if status == 3:
         raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")
-    assert status != 4, "the compiled Cholesky needs AVX-512"
+    assert status != 4, "the compiled Cholesky needs AVX-512, or AVX2 and FMA"
     return out if status == 0 else None
 
 

@@ -103,7 +103,7 @@ class BlockLoop:
         starts = list(range(0, cols, block_size))
         losses = torch.zeros(len(starts), len(self._slices), dtype=torch.float64)  # [block, slice]
         block = self._lib.ptq_gptq_block
-        lazy_update = compiled.gemm_subtract if compiled.linalg_available() else _addmm_subtract
+        lazy_update = compiled.gemm_subtract if compiled.gemm_available() else _addmm_subtract
 
         def rows(k: int, r0: int, r1: int) -> int:
             for b, i1 in enumerate(starts):

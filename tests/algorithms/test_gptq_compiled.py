@@ -92,11 +92,12 @@ def test_the_report_names_the_factorisation_and_the_attention(monkeypatch):
     from ptq.algorithms import compiled
 
     report = report_of("w4a16-gptq.yaml")
-    expected = "compiled up to 1536 rows, LAPACK above" if compiled.linalg_available() else "LAPACK"
-    assert report.cpu["gptq_factorisation"] == expected
+    kind, rows = compiled.linalg_kind(), {"AVX-512": 1536, "AVX2": 768}.get(compiled.linalg_kind())
+    assert report.cpu["gptq_factorisation"] == (f"compiled ({kind}) up to {rows} rows, LAPACK above" if kind
+                                                else "LAPACK")
     compiled_attention = cpu_attention.available(report.compute_dtype)  # bf16 or float32 passes
     assert report.cpu["calibration_attention"] == ("compiled" if compiled_attention else "the model's own")
-    monkeypatch.setattr(compiled, "linalg_available", lambda: False)
+    monkeypatch.setattr(compiled, "linalg_kind", lambda: None)
     monkeypatch.setattr(cpu_attention, "available", lambda dtype=None: False)
     report = report_of("w4a16-gptq.yaml")
     assert report.cpu["gptq_factorisation"] == "LAPACK"

@@ -9,7 +9,9 @@ import torch
 
 from ptq.algorithms import compiled
 
-pytestmark = pytest.mark.skipif(not compiled.linalg_available(), reason="needs the compiled library and AVX-512")
+pytestmark = pytest.mark.skipif(not compiled.linalg_available(),
+                                reason="needs the compiled library and AVX-512, or AVX2 and FMA")
+needs_gemm = pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled GEMM needs AVX-512")
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 97, 300])
@@ -48,6 +50,7 @@ def test_compiled_factorisation_says_what_failed():
     assert compiled.inverse_cholesky(steep, steep.diagonal().clone()) is None
 
 
+@needs_gemm
 @pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 33, 5), (8, 32, 128), (61, 100, 128), (300, 480, 64)])
 def test_gemm_subtract_against_float64(m, n, k):
     # A a transposed view (GPTQ passes Hinv's rows as columns); sums within 2e-6 of C's and
@@ -61,6 +64,7 @@ def test_gemm_subtract_against_float64(m, n, k):
     assert float((out.double() - expected).abs().max()) / scale < 2e-6
 
 
+@needs_gemm
 def test_gemm_subtract_slices_give_the_bits_of_the_whole():
     # the column loop gives each thread a slice of the output's columns (multiples of 16 but
     # the last) and the rows after the block: any slicing, the same bits
@@ -81,3 +85,12 @@ def test_gemm_subtract_slices_give_the_bits_of_the_whole():
     compiled.gemm_subtract(untouched[:, 5:25], torch.ones(10, 3), torch.ones(3, 20))
     assert torch.equal(untouched[:, :5], before[:, :5]) and torch.equal(untouched[:, 25:], before[:, 25:])
     assert torch.equal(untouched[:, 5:25], before[:, 5:25] - 3)
+
+
+@pytest.mark.skipif(compiled.linalg_kind() != "AVX-512", reason="compares the AVX-512 code with the AVX2 one")
+@pytest.mark.parametrize("n", [1, 31, 33, 100, 300, 768])
+def test_the_avx2_code_gives_the_bits_of_the_avx512_code(n):
+    x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
+    H = x.t() @ x / (2 * n)
+    diag = H.diagonal() * 1.01
+    assert torch.equal(compiled.inverse_cholesky(H, diag), compiled.inverse_cholesky(H, diag, narrow=True))
