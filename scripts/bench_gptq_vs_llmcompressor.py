@@ -70,6 +70,7 @@ TOKENS = {"bundled": (32, 512), "random": (32, 512), "smollm2": (32, 256)}
 GROUP_SIZE = {"bundled": 128, "random": 128, "smollm2": 64}  # 128 does not divide SmolLM2's 576
 NO_FAST_BF16 = "PTQ_BENCH_NO_FAST_BF16"  # set in a worker's environment by --no-fast-bf16
 GOALS = {"speed": 3.0, "floor": 1.5, "load": 2.5}  # issue 15's targets
+AWQ_METHODS = {"module": "awq", "linear": "awq-linear"}  # ptq's AWQ loss -> the worker's method
 
 
 def peak_rss_mb() -> float:
@@ -367,6 +368,8 @@ def main() -> None:
                         help='JSON of ptq GPTQ/calibration options to try, e.g. \'{"scales": "original"}\'')
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case: tables show medians")
     parser.add_argument("--awq-models", nargs="*", default=["bundled", "smollm2"], help="models of the AWQ table")
+    parser.add_argument("--awq-losses", nargs="+", default=list(AWQ_METHODS), choices=list(AWQ_METHODS),
+                        help="losses of ptq's AWQ to time (module, llm-compressor's, is the slow one)")
     parser.add_argument("--awq-clip", action="store_true", help="ptq's AWQ also searches clipping ranges")
     parser.add_argument("--load-model", default="bundled", choices=list(TOKENS), help="model of the load phase")
     parser.add_argument("--load-timeout", type=float, default=10.0, help="stop a loaded run at this x its quiet time")
@@ -396,7 +399,7 @@ def main() -> None:
     llmc = [("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else []
     cases = [(name, tool, "gptq", dtype) for name in args.models for tool, dtype in [("ptq", "auto")] + llmc]
     cases += [(name, tool, method, dtype) for name in args.awq_models
-              for tool, method, dtype in [("ptq", "awq", "auto"), ("ptq", "awq-linear", "auto")]
+              for tool, method, dtype in [("ptq", AWQ_METHODS[loss], "auto") for loss in args.awq_losses]
               + [(tool, "awq", dtype) for tool, dtype in llmc[:1]]]
     results = timed_runs(args, cases)
     gptq_table(args, results)
