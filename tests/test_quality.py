@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ptq
+from ptq.devices import compute_dtype_for
 from ptq.diagnostics import inject_outliers_
 from ptq.models import bundled_model_path
 from ptq.pipeline import cast_parameters_
@@ -22,9 +23,23 @@ def windows(tokenizer):
     return ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
 
 
+_QUALITY: dict[str, tuple[float, float]] = {}  # the runs so far (deterministic): several tests share some
+
+
 def quality(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=None) -> tuple[float, float]:
     """(perplexity after minus before, KL) of the recipe on the bundled model (or its
-    outlier variant), both models computed in the dtype ptq chose (or was given)."""
+    outlier variant), both models computed in the dtype ptq chose (or was given). A run
+    made before with the same arguments (the dtype as ptq resolves it: on a CPU without
+    fast bf16, None is float32) is not made again: a quantization gives the same bits
+    every time (tests/test_devices.py), and on a slow CPU each takes tens of seconds."""
+    resolved = dtype or compute_dtype_for("cpu", torch.bfloat16)
+    key = json.dumps([recipe, outliers, str(resolved), len(windows)], sort_keys=True)
+    if key not in _QUALITY:
+        _QUALITY[key] = _quality(recipe, windows, tokenizer, outliers, dtype)
+    return _QUALITY[key]
+
+
+def _quality(recipe: dict, windows, tokenizer, outliers: bool, dtype) -> tuple[float, float]:
     models = []
     for _ in range(2):
         model, _ = ptq.load_model()
