@@ -86,8 +86,9 @@ class HessianObserver(Observer):
         least): rows of blocks cost n - a, so a few wide ones leave threads idle (256
         features were one GEMM on one thread; 576 two, of 2:1 work) and sum more of the lower
         triangle (on a 2-core AVX2 EPYC, 2048 tokens: 256 features 3.25 -> 1.18 ms, 576 9.1 ->
-        6.1 ms, 768 11.4 -> 9.7 ms on two threads). On AMX tiles (tiles; n a multiple of 32), which sum only the 32 x 32 blocks on
-        and above the diagonal, TILE_PIECES blocks of about equal work per thread."""
+        6.1 ms, 768 11.4 -> 9.7 ms on two threads). On AMX tiles (tiles; n a multiple of 32),
+        which sum only the 32 x 32 blocks on and above the diagonal, TILE_PIECES blocks of
+        about equal work per thread."""
         if tiles:  # blocks of about equal work: rows of 32 features g = 0, 1, ... cost n - 32g
             groups = n // 32
             pieces, total = min(groups, cls.TILE_PIECES * torch.get_num_threads()), groups * (n + 32) // 2
