@@ -19,7 +19,7 @@ from torch import nn
 
 from ptq import cpu_attention, moe
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import compiled_rows
+from ptq.algorithms.cholesky import describe as describe_factorisation
 from ptq.algorithms.compiled import unavailable as compiled_unavailable
 from ptq.algorithms.gptq_compiled import unavailable as gptq_loop_unavailable
 from ptq.algorithms.rtn import rtn
@@ -186,9 +186,7 @@ def quantize(
             why = gptq_loop_unavailable()
             report.cpu["gptq_loop"] = "torch" if why else "compiled"
             # the Hessians' Cholesky factor and its inverse (ptq/algorithms/cholesky.py)
-            rows = compiled_rows()
-            report.cpu["gptq_factorisation"] = (f"compiled ({compiled.linalg_kind()}) up to {rows} rows, LAPACK "
-                                                "above" if rows else "LAPACK")
+            report.cpu["gptq_factorisation"] = describe_factorisation()
             if why:
                 report.notes.append(f"GPTQ's column loop ran in torch, several times slower than compiled: {why}")
         if any(isinstance(t, AWQStep) for t in recipe.transforms):

@@ -19,7 +19,8 @@ and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 - Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
   inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
   or both at the rate of ptq's compiled factorisation on that size (linalg.c, one thread,
-  where it runs: the size at most cholesky.compiled_rows()), whichever is faster;
+  where it runs: the size at most cholesky.compiled_rows(); above, its compiled blocks on
+  all threads where the compiled GEMM runs), whichever is faster;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
   addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
   the faster of the float32 GEMM's rate on [in, B] @ [B, out] and ptq's compiled GEMM's,
@@ -104,19 +105,31 @@ class Rates:
         return self._rate(("trinv", n), n**3 / 3, make)  # as a triangular inverse: zeros above skipped
 
     def factorisation(self, n: int) -> float:
-        """ptq's compiled Cholesky and inverse of its factor (linalg.c, one thread) on [n, n],
-        as 2n³/3 FLOPs; 0 where it does not run (more than cholesky.compiled_rows() rows)."""
+        """ptq's compiled Cholesky and inverse of its factor on [n, n], as 2n³/3 FLOPs: in one
+        piece on one thread (linalg.c) up to cholesky.compiled_rows() rows, above in compiled
+        blocks on all threads (cholesky.blocked_inverse_cholesky_, where the compiled GEMM
+        runs); 0 where neither runs."""
         from ptq.algorithms import cholesky, compiled
 
-        if n > cholesky.compiled_rows():
-            return 0.0
-
-        def make():
+        def positive_definite() -> torch.Tensor:
             x = torch.randn(n, 2 * n)
-            H = x @ x.t() / n + torch.eye(n)  # [n, n] positive definite
+            return x @ x.t() / n + torch.eye(n)  # [n, n]
+
+        def make_whole():
+            H = positive_definite()
             diag = H.diagonal().clone()
             return lambda: compiled.inverse_cholesky(H, diag)
-        return self._rate(("compiled factorisation", n), 2 * n**3 / 3, make)
+
+        if n <= cholesky.compiled_rows():
+            return self._rate(("compiled factorisation", n), 2 * n**3 / 3, make_whole)
+        if not cholesky.compiled_blocks(torch.empty(0)):
+            return 0.0
+        key = ("compiled blocks", n)
+        if key not in self.cache:  # it factors in place: a fresh copy each call, whose time is taken off
+            H, A = positive_definite(), torch.empty(n, n)
+            both = best_seconds(lambda: cholesky.blocked_inverse_cholesky_(A.copy_(H), torch.get_num_threads()))
+            self.cache[key] = 2 * n**3 / 3 / max(both - best_seconds(lambda: A.copy_(H)), 1e-9) / 1e9
+        return self.cache[key]
 
     def compiled_gemm(self, m: int, k: int, n: int) -> float:
         """ptq's compiled C -= A @ B (compiled.gemm_subtract), [m, k] @ [k, n] float32, the

@@ -22,6 +22,10 @@ LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5
 and FMA but not AVX-512 the same code in narrower tiles (the same bits) takes matrices of
 up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's 12-14 ms,
 768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
+Above COMPILED rows on a CPU with AVX-512 the blocks are compiled code too
+(blocked_inverse_cholesky_: each diagonal block's inverse factor at once, GEMMs where
+LAPACK's blocks have triangular solves): on a 2-core AMD EPYC (Zen 5), 2816 rows 87 against
+117 ms, 4096 186-205 against 356, 5632 440-490 against 889 (median 493 of five).
 
 Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
 while the inverse's chunks are solved, their results (about n²/2 floats). The
@@ -50,6 +54,16 @@ SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread in
 # 18 against 32; 2048 68 against 73, where its passes over the matrix no longer stay in the
 # cache, and more cores would favour the blocked path)
 COMPILED = 1536
+COMPILED_BLOCK = 512  # blocked_inverse_cholesky_'s blocks
+
+
+def describe() -> str:
+    """How Hessians are factored and inverted here, for the report (report.cpu)."""
+    rows, kind = compiled_rows(), compiled.linalg_kind()
+    if not rows:
+        return "LAPACK"
+    above = "compiled blocks above" if compiled.gemm_available() else "LAPACK above"
+    return f"compiled ({kind}) up to {rows} rows, {above}"
 
 
 def compiled_rows() -> int:
@@ -90,7 +104,11 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
             if attempt:
                 mirror_triangle_(H)
             H.diagonal().copy_(base).add_(mean * lam)
-            if cholesky_lower_(H, threads) and inverse_lower_(H, threads):
+            if compiled_blocks(H):
+                done = blocked_inverse_cholesky_(H, threads)
+            else:
+                done = cholesky_lower_(H, threads) and inverse_lower_(H, threads)
+            if done:
                 return flip_(H.tril_()), lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
@@ -185,6 +203,94 @@ def cholesky_lower_(A: Tensor, threads: int) -> bool:
 
         _parallel([functools.partial(update, j0, j1) for j0, j1 in below], A, threads)
     return True
+
+
+def compiled_blocks(A: Tensor) -> bool:
+    """Whether a matrix above compiled_rows() is factored by blocked_inverse_cholesky_ (a
+    float32 CPU matrix, where the compiled GEMM runs: AVX-512) rather than by torch's blocks."""
+    return A.device.type == "cpu" and A.dtype == torch.float32 and compiled.gemm_available()
+
+
+CACHED_FLOATS = 1 << 17  # of A at a time in _gemm_subtract: 512 KiB, within a core's L2
+
+
+def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
+    """compiled.gemm_subtract (C -= A @ B) in pieces of A of about CACHED_FLOATS floats
+    (at most 512 of its columns, and the rows to match): the compiled GEMM reads all of A
+    once per 32 columns of C, from the cache where the piece fits (a tall update of 5376
+    rows ran at 183 GFLOP/s, pieces of 512 rows at 245). The same bits as one call: each
+    element of C is still its value less its products in order, one rounding each (a later
+    piece of A's columns goes on from the sums the earlier one stored)."""
+    (m, n), k = C.shape, A.shape[1]
+    depth = min(k, 512)
+    rows = max(8, CACHED_FLOATS // depth // 8 * 8)
+    for r0 in range(0, m, rows):
+        for p0 in range(0, k, depth):
+            compiled.gemm_subtract(C[r0 : r0 + rows], A[r0 : r0 + rows, p0 : p0 + depth], B[p0 : p0 + depth])
+
+
+def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
+    """cholesky_lower_ then inverse_lower_ (A's lower triangle becomes L⁻¹; its strict upper
+    triangle is neither read nor changed) in BLOCK-wide blocks of ptq's compiled code
+    (linalg.c): each diagonal block's Cholesky factor inverted at once
+    (compiled.inverse_cholesky), and everything else GEMMs (compiled.gemm_subtract) where
+    LAPACK's path has triangular solves: the blocks below a diagonal one times its inverse
+    factor, the update of the lower triangle to their right a block column at a time, then
+    L⁻¹'s block columns side by side, each block below the diagonal
+    X_ik = -X_ii Σ_{k<=j<i} L_ij X_jk. L's diagonal blocks are never formed: only their
+    inverses are used. Every task runs on one thread and its pieces are fixed by n, and each
+    element of a compiled GEMM gets the same bits from any slice: the same bits on any
+    thread count. Returns False when A is not positive definite or L⁻¹ has an entry that is
+    not finite."""
+    n = A.shape[0]
+    edges = _edges(n, COMPILED_BLOCK)
+    blocks = list(zip(edges, edges[1:]))
+    inverses = []  # X_kk = L_kk⁻¹ [b, b] lower, of each diagonal block
+    for k, (k0, k1) in enumerate(blocks):
+        diagonal = A[k0:k1, k0:k1]
+        inverse = compiled.inverse_cholesky(diagonal, diagonal.diagonal())  # reads its lower triangle
+        if inverse is None:
+            return False
+        inverses.append(inverse)
+        if k1 == n:
+            break
+        panel = A[k1:, k0:k1]  # [n - k1, b]: L_ik = A_ik X_kkᵀ
+        negated_t = inverse.t().neg().contiguous()  # [b, b]: C -= A (-X_kkᵀ)
+        product = torch.zeros(n - k1, k1 - k0)
+        rows = _edges(n - k1, BLOCK)
+        _parallel([functools.partial(compiled.gemm_subtract, product[r0:r1], panel[r0:r1], negated_t)
+                   for r0, r1 in zip(rows, rows[1:])], A, threads)
+        panel.copy_(product)
+
+        def update(j0: int, j1: int) -> None:  # A[i, j] -= L_ik L_jkᵀ for the block column j, i >= j
+            # L_ik read from product (contiguous rows: A's are n apart, a page each)
+            right = product[j0 - k1 : j1 - k1].t().contiguous()  # [b, j1 - j0]
+            corner = A[j0:j1, j0:j1].clone()  # its strict upper triangle is not the matrix's
+            _gemm_subtract(corner, product[j0 - k1 : j1 - k1], right)
+            _set_lower_(A[j0:j1, j0:j1], corner)
+            if j1 < n:
+                _gemm_subtract(A[j1:, j0:j1], product[j1 - k1 :], right)
+        _parallel([functools.partial(update, j0, j1) for j0, j1 in blocks[k + 1:]], A, threads)
+    negated = [inverse.neg() for inverse in inverses]
+
+    def column(k: int) -> Tensor:  # [n - k0, b]: rows k0.. of L⁻¹'s block column k
+        k0, k1 = blocks[k]
+        X = torch.zeros(n - k0, k1 - k0)
+        X[: k1 - k0] = inverses[k]
+        for i in range(k + 1, len(blocks)):
+            i0, i1 = blocks[i]
+            sums = torch.zeros(i1 - i0, k1 - k0)  # -Σ_j L_ij X_jk
+            _gemm_subtract(sums, A[i0:i1, k0:i0], X[: i0 - k0])
+            _gemm_subtract(X[i0 - k0 : i1 - k0], negated[i], sums)  # 0 - (-X_ii)(-Σ)
+        return X
+
+    solved = _parallel([functools.partial(column, k) for k in range(len(blocks))], A, threads)  # largest first
+    finite = []  # float64 sums: finite iff every entry is
+    for (k0, k1), X in zip(blocks, solved):
+        _set_lower_(A[k0:k1, k0:k1], X[: k1 - k0])
+        A[k1:, k0:k1] = X[k1 - k0 :]
+        finite.append(X.sum(dtype=torch.float64))
+    return bool(torch.isfinite(torch.stack(finite).sum()))
 
 
 def _set_lower_(target: Tensor, source: Tensor, diagonal: bool = True, rows: int = 512) -> None:

@@ -17,20 +17,25 @@ def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
     assert float((U.double().t() @ U.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
-@pytest.fixture(params=["compiled", "torch"])
+@pytest.fixture(params=["compiled", "compiled blocks", "torch"])
 def route(request, monkeypatch):
-    """Both ways a CPU factors: the compiled factorisation (where the CPU has AVX-512; the
-    test skips elsewhere), and torch's (LAPACK on one thread, or the blocked one)."""
+    """The ways a CPU factors: the compiled factorisation in one piece (where the CPU has
+    AVX-512 or AVX2; the test skips elsewhere); above SMALL rows, compiled blocks (AVX-512);
+    torch's (LAPACK on one thread up to SMALL rows, its blocks above)."""
     if request.param == "compiled" and not compiled.linalg_available():
-        pytest.skip("the compiled factorisation needs the compiled library and AVX-512")
-    if request.param == "torch":
+        pytest.skip("the compiled factorisation needs the compiled library and AVX-512 or AVX2")
+    if request.param == "compiled blocks" and not compiled.gemm_available():
+        pytest.skip("the compiled blocks need the compiled library and AVX-512")
+    if request.param != "compiled":
         monkeypatch.setattr(cholesky, "_compiled", lambda H: False)
+    if request.param == "torch":
+        monkeypatch.setattr(cholesky, "compiled_blocks", lambda A: False)
     return request.param
 
 
-# torch: LAPACK on one thread up to cholesky.SMALL rows; above, the blocked Cholesky and the
-# inverse in chunks of columns (1000: four blocks and chunks, the last partial). compiled:
-# whole blocks of 32 rows, or a last one padded (100, 700, 1000)
+# torch and compiled blocks: LAPACK on one thread up to cholesky.SMALL rows; above, blocks
+# (1000: four blocks and chunks, the last partial). compiled: whole blocks of 32 rows, or a
+# last one padded (100, 700, 1000)
 @pytest.mark.parametrize("n", [100, 256, 700, 1000])
 def test_inverse_factor(n, route):
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
@@ -75,3 +80,24 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
     steep = torch.eye(n) + torch.full((n, n), -1e3).tril(-1)
     assert not cholesky.inverse_lower_(steep.clone(), threads)
 
+
+
+@pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled blocks need the compiled library and AVX-512")
+def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_count():
+    n = 600  # three blocks, the last partial
+    x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(2))
+    H = x.t() @ x / (2 * n) + torch.eye(n) * 0.01
+    results = []
+    for threads in (1, 2, 3):
+        A = H.clone()
+        A[torch.ones(n, n, dtype=torch.bool).triu(1)] = 7.0  # what the factorisation must leave alone
+        assert cholesky.blocked_inverse_cholesky_(A, threads)
+        assert bool((A.triu(1) == torch.full((n, n), 7.0).triu(1)).all())
+        results.append(A.tril())
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    expected = torch.linalg.inv(torch.linalg.cholesky(H.double()))
+    assert float((results[0].double() - expected).abs().max() / expected.abs().max()) < 1e-5
+    # not positive definite: a negative pivot in the last block
+    A = H.clone()
+    A[n - 1, n - 1] = -1.0
+    assert not cholesky.blocked_inverse_cholesky_(A, 2)

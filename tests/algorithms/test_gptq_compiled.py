@@ -92,9 +92,9 @@ def test_the_report_names_the_factorisation_and_the_attention(monkeypatch):
     from ptq.algorithms import compiled
 
     report = report_of("w4a16-gptq.yaml")
-    kind, rows = compiled.linalg_kind(), {"AVX-512": 1536, "AVX2": 768}.get(compiled.linalg_kind())
-    assert report.cpu["gptq_factorisation"] == (f"compiled ({kind}) up to {rows} rows, LAPACK above" if kind
-                                                else "LAPACK")
+    expected = {"AVX-512": "compiled (AVX-512) up to 1536 rows, compiled blocks above",
+                "AVX2": "compiled (AVX2) up to 768 rows, LAPACK above", None: "LAPACK"}[compiled.linalg_kind()]
+    assert report.cpu["gptq_factorisation"] == expected
     compiled_attention = cpu_attention.available(report.compute_dtype)  # bf16 or float32 passes
     assert report.cpu["calibration_attention"] == ("compiled" if compiled_attention else "the model's own")
     monkeypatch.setattr(compiled, "linalg_kind", lambda: None)
