@@ -24,8 +24,10 @@ up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's
 768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
 Above COMPILED rows on a CPU with AVX-512 the blocks are compiled code too
 (blocked_inverse_cholesky_: each diagonal block's inverse factor at once, GEMMs where
-LAPACK's blocks have triangular solves): on a 2-core AMD EPYC (Zen 5), 2816 rows 87 against
-117 ms, 4096 186-205 against 356, 5632 440-490 against 889 (median 493 of five).
+LAPACK's blocks have triangular solves): on a 2-core AMD EPYC (Zen 5), medians of five
+runs alternating with the torch blocks, 2048 rows 40 against 59 ms, 2816 95 against 148,
+4096 242 against 411, 5632 547 against 1028 (blocks of 256 rows measured the same within
+the noise; 512 read the trailing matrix half as often).
 
 Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
 while the inverse's chunks are solved, their results (about n²/2 floats). The
@@ -54,7 +56,7 @@ SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread in
 # 18 against 32; 2048 68 against 73, where its passes over the matrix no longer stay in the
 # cache, and more cores would favour the blocked path)
 COMPILED = 1536
-COMPILED_BLOCK = 512  # blocked_inverse_cholesky_'s blocks
+COMPILED_BLOCK = 512  # rows of blocked_inverse_cholesky_'s blocks
 
 
 def describe() -> str:
@@ -231,7 +233,7 @@ def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
 
 def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
     """cholesky_lower_ then inverse_lower_ (A's lower triangle becomes L⁻¹; its strict upper
-    triangle is neither read nor changed) in BLOCK-wide blocks of ptq's compiled code
+    triangle is neither read nor changed) in COMPILED_BLOCK-wide blocks of ptq's compiled code
     (linalg.c): each diagonal block's Cholesky factor inverted at once
     (compiled.inverse_cholesky), and everything else GEMMs (compiled.gemm_subtract) where
     LAPACK's path has triangular solves: the blocks below a diagonal one times its inverse

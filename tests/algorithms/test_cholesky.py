@@ -34,7 +34,7 @@ def route(request, monkeypatch):
 
 
 # torch and compiled blocks: LAPACK on one thread up to cholesky.SMALL rows; above, blocks
-# (1000: four blocks and chunks, the last partial). compiled: whole blocks of 32 rows, or a
+# (1000: four of torch's blocks and chunks, two compiled ones; the last partial). compiled: whole blocks of 32 rows, or a
 # last one padded (100, 700, 1000)
 @pytest.mark.parametrize("n", [100, 256, 700, 1000])
 def test_inverse_factor(n, route):
@@ -84,7 +84,7 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
 
 @pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled blocks need the compiled library and AVX-512")
 def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_count():
-    n = 600  # three blocks, the last partial
+    n = 1100  # three blocks of cholesky.COMPILED_BLOCK rows, the last partial
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(2))
     H = x.t() @ x / (2 * n) + torch.eye(n) * 0.01
     results = []
