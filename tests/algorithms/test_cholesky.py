@@ -34,8 +34,8 @@ def route(request, monkeypatch):
 
 
 # torch and compiled blocks: LAPACK on one thread up to cholesky.SMALL rows; above, blocks
-# (1000: four of torch's blocks and chunks, two compiled ones; the last partial). compiled: whole blocks of 32 rows, or a
-# last one padded (100, 700, 1000)
+# (1000: four of torch's blocks and chunks, two compiled ones; the last partial). compiled:
+# whole blocks of 32 rows, or a last one padded (100, 700, 1000)
 @pytest.mark.parametrize("n", [100, 256, 700, 1000])
 def test_inverse_factor(n, route):
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
@@ -79,7 +79,6 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
     # entries of L⁻¹ that grow as 1000^k overflow float32 within a few rows
     steep = torch.eye(n) + torch.full((n, n), -1e3).tril(-1)
     assert not cholesky.inverse_lower_(steep.clone(), threads)
-
 
 
 @pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled blocks need the compiled library and AVX-512")
