@@ -11,6 +11,7 @@ import torch
 import ptq
 from ptq.devices import compute_dtype_for
 from ptq.diagnostics import inject_outliers_
+from ptq.evaluate import ReferenceLogits, reference_logits
 from ptq.models import bundled_model_path
 from ptq.pipeline import cast_parameters_
 from ptq.recipe import parse_recipe
@@ -24,6 +25,20 @@ def windows(tokenizer):
 
 
 _QUALITY: dict[str, tuple[float, float]] = {}  # the runs so far (deterministic): several tests share some
+_REFERENCES: dict[str, ReferenceLogits] = {}  # the unquantized model's logits, per variant and dtype
+_FOLDER = []  # where they are kept while this module's tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_folder(tmp_path_factory):
+    """The reference logits are computed once per model variant and dtype (ptq.evaluate reads
+    them back as the very numbers the model gives) and deleted after this module's tests."""
+    _FOLDER.append(tmp_path_factory.mktemp("reference-logits"))
+    yield
+    for logits in _REFERENCES.values():
+        logits.remove()
+    _REFERENCES.clear()
+    _FOLDER.clear()
 
 
 def quality(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=None) -> tuple[float, float]:
@@ -39,19 +54,26 @@ def quality(recipe: dict, windows, tokenizer, outliers: bool = False, dtype=None
     return _QUALITY[key]
 
 
+def _model(outliers: bool):
+    model, _ = ptq.load_model()
+    if outliers:
+        model.float()
+        inject_outliers_(model, channels=4, factor=50.0, seed=0)
+        model.to(torch.bfloat16)
+    return model
+
+
 def _quality(recipe: dict, windows, tokenizer, outliers: bool, dtype) -> tuple[float, float]:
-    models = []
-    for _ in range(2):
-        model, _ = ptq.load_model()
-        if outliers:
-            model.float()
-            inject_outliers_(model, channels=4, factor=50.0, seed=0)
-            model.to(torch.bfloat16)
-        models.append(model)
-    quantized, reference = models
+    quantized = _model(outliers)
     ptq.quantize(quantized, parse_recipe(recipe), tokenizer=tokenizer, dtype=dtype, show_progress=False)
-    cast_parameters_(reference, quantized.ptq_report.compute_dtype)
-    result = ptq.evaluate(quantized, windows, reference=reference, show_progress=False)
+    computed = quantized.ptq_report.compute_dtype
+    key = json.dumps([outliers, str(computed), len(windows)])
+    if key not in _REFERENCES:
+        reference = _model(outliers)
+        cast_parameters_(reference, computed)
+        _REFERENCES[key] = reference_logits(reference, windows, _FOLDER[0] / str(len(_REFERENCES)),
+                                            show_progress=False)
+    result = ptq.evaluate(quantized, windows, reference=_REFERENCES[key], show_progress=False)
     return result.perplexity - result.reference_perplexity, result.kl
 
 
