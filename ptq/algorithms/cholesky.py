@@ -257,7 +257,7 @@ def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
         if k1 == n:
             break
         panel = A[k1:, k0:k1]  # [n - k1, b]: L_ik = A_ik X_kkᵀ
-        negated_t = inverse.t().neg().contiguous()  # [b, b]: C -= A (-X_kkᵀ)
+        negated_t = torch.empty_like(inverse).copy_(inverse.t()).neg_()  # [b, b]: C -= A (-X_kkᵀ)
         product = torch.zeros(n - k1, k1 - k0)
         rows = _edges(n - k1, BLOCK)
         _parallel([functools.partial(compiled.gemm_subtract, product[r0:r1], panel[r0:r1], negated_t)
@@ -266,7 +266,8 @@ def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
 
         def update(j0: int, j1: int) -> None:  # A[i, j] -= L_ik L_jkᵀ for the block column j, i >= j
             # L_ik read from product (contiguous rows: A's are n apart, a page each)
-            right = product[j0 - k1 : j1 - k1].t().contiguous()  # [b, j1 - j0]
+            # [b, j1 - j0], rows of unit stride (contiguous() keeps a view of one column as it is)
+            right = torch.empty(k1 - k0, j1 - j0).copy_(product[j0 - k1 : j1 - k1].t())
             corner = A[j0:j1, j0:j1].clone()  # its strict upper triangle is not the matrix's
             _gemm_subtract(corner, product[j0 - k1 : j1 - k1], right)
             _set_lower_(A[j0:j1, j0:j1], corner)

@@ -82,8 +82,8 @@ def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
 
 
 @pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled blocks need the compiled library and AVX-512")
-def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_count():
-    n = 1100  # three blocks of cholesky.COMPILED_BLOCK rows, the last partial
+@pytest.mark.parametrize("n", [1100, 1025])  # three blocks of cholesky.COMPILED_BLOCK rows, the last partial or of one row
+def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_count(n):
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(2))
     H = x.t() @ x / (2 * n) + torch.eye(n) * 0.01
     results = []
