@@ -214,17 +214,18 @@ def compiled_blocks(A: Tensor) -> bool:
 
 
 CACHED_FLOATS = 1 << 17  # of A at a time in _gemm_subtract: 512 KiB, within a core's L2
+CACHED_COLUMNS = 512  # of A's columns at most in one of those pieces
 
 
 def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     """compiled.gemm_subtract (C -= A @ B) in pieces of A of about CACHED_FLOATS floats
-    (at most 512 of its columns, and the rows to match): the compiled GEMM reads all of A
+    (at most CACHED_COLUMNS of its columns, and the rows to match): the compiled GEMM reads all of A
     once per 32 columns of C, from the cache where the piece fits (a tall update of 5376
     rows ran at 183 GFLOP/s, pieces of 512 rows at 245). The same bits as one call: each
     element of C is still its value less its products in order, one rounding each (a later
     piece of A's columns goes on from the sums the earlier one stored)."""
     (m, n), k = C.shape, A.shape[1]
-    depth = min(k, 512)
+    depth = min(k, CACHED_COLUMNS)
     rows = max(8, CACHED_FLOATS // depth // 8 * 8)
     for r0 in range(0, m, rows):
         for p0 in range(0, k, depth):
@@ -260,7 +261,7 @@ def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
         negated_t = torch.empty_like(inverse).copy_(inverse.t()).neg_()  # [b, b]: C -= A (-X_kkᵀ)
         product = torch.zeros(n - k1, k1 - k0)
         rows = _edges(n - k1, BLOCK)
-        _parallel([functools.partial(compiled.gemm_subtract, product[r0:r1], panel[r0:r1], negated_t)
+        _parallel([functools.partial(_gemm_subtract, product[r0:r1], panel[r0:r1], negated_t)
                    for r0, r1 in zip(rows, rows[1:])], A, threads)
         panel.copy_(product)
 
