@@ -11,13 +11,33 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from ptq.cli import main
 
 RECIPE = "calibration: {samples: 16, seq_len: 128}\nsteps:\n  - gptq: {scheme: W4A16}\n"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def command(folder: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ptq", "quantize", "--recipe", "r.yaml", "--output", "out", "--no-eval", *extra]
+ARGV = ["quantize", "--recipe", "r.yaml", "--output", "out", "--no-eval"]
+
+
+def main_on_one_thread(argv: list[str]) -> int:
+    """`ptq quantize` in this process, on the killed run's one thread (--resume refuses a run
+    set up otherwise): only the run that is killed needs a process of its own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_here(folder: Path, monkeypatch, capsys, *extra: str) -> tuple[int, str, str]:
+    monkeypatch.chdir(folder)
+    code = main_on_one_thread([*ARGV, *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def hashes(folder: Path) -> dict[str, str]:
@@ -42,15 +62,17 @@ KILL_POINTS = {  # when to kill: a condition on the work folder
 def uninterrupted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("base")
     (folder / "r.yaml").write_text(RECIPE)
-    subprocess.run(command(folder), cwd=folder, env=ENV, check=True, capture_output=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        assert main_on_one_thread(ARGV) == 0
     return hashes(folder / "out")
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted, point):
+def test_resume_after_sigkill_is_bit_identical(tmp_path, monkeypatch, capsys, uninterrupted, point):
     (tmp_path / "r.yaml").write_text(RECIPE)
     work = tmp_path / ".out.ptq-partial"
-    run = subprocess.Popen(command(tmp_path), cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+    run = subprocess.Popen([sys.executable, "-m", "ptq", *ARGV], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while run.poll() is None and not KILL_POINTS[point](work) and time.monotonic() < deadline:
@@ -59,19 +81,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted, point):
     killed = run.wait() == -signal.SIGKILL
     if killed:
         assert work.is_dir() and not (tmp_path / "out").exists()
-        if point == "after block 2":  # the refusals at one kill point (each run starts a Python)
-            again = subprocess.run(command(tmp_path), cwd=tmp_path, env=ENV, capture_output=True, text=True)
-            assert again.returncode == 2 and "--resume" in again.stderr and "an interrupted run left" in again.stderr
+        if point == "after block 2":  # the refusals, at one kill point
+            code, _, err = run_here(tmp_path, monkeypatch, capsys)
+            assert code == 2 and "--resume" in err and "an interrupted run left" in err
             (tmp_path / "r.yaml").write_text(RECIPE.replace("W4A16", "W3A16"))
-            other = subprocess.run(command(tmp_path, "--resume"), cwd=tmp_path, env=ENV, capture_output=True,
-                                   text=True)
-            last = other.stderr.strip().splitlines()[-1]
-            assert other.returncode == 2 and last.startswith("ptq: error: cannot resume") and "different recipe" in last
+            code, _, err = run_here(tmp_path, monkeypatch, capsys, "--resume")
+            last = err.strip().splitlines()[-1]
+            assert code == 2 and last.startswith("ptq: error: cannot resume") and "different recipe" in last
             assert finished_blocks(work) >= 2  # the interrupted run's work is kept, not deleted
             (tmp_path / "r.yaml").write_text(RECIPE)
-        resumed = subprocess.run(command(tmp_path, "--resume"), cwd=tmp_path, env=ENV, capture_output=True, text=True)
-        assert resumed.returncode == 0, resumed.stderr
+        code, out, err = run_here(tmp_path, monkeypatch, capsys, "--resume")
+        assert code == 0, err
         if point.startswith("after block"):
-            assert "note: resumed: blocks 0 to" in resumed.stdout
+            assert "note: resumed: blocks 0 to" in out
     assert hashes(tmp_path / "out") == uninterrupted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.yaml"]  # the work folder is gone
