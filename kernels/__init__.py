@@ -3,6 +3,8 @@
     wna16_gemm  weight-only int GEMM (W4A16, W8A16; 2 and 3 bits too) on the checkpoint layout
     int8_gemm   W8A8 int8: per-token / static activation quantization + int8 GEMM (int32 acc)
     fp8_gemm    W8A8 fp8 e4m3: the same with fp8 (falls back to torch where fp8 cannot run)
+    act_quant   the activation quantization kernel of both (int8 or e4m3, per token or static)
+    tiles       the output-tile order the GEMMs share
     kv_attention  decode attention (flash-decoding) over a quantized KV cache: fp8 / int8 with
                 per-head scales, int4 / int2 KIVI; merge_attention joins it with the 16-bit residual
     bench       benchmark against torch bf16 matmul (needs a CUDA GPU); not imported here

@@ -18,10 +18,8 @@ Data layout it reads (the compressed-tensors "int-quantized" format)
     x_scale  float32 [M, 1] (per token) or [1] (per tensor).
     x        [..., K] fp16 / bf16 / fp32; x_q int8 [M, K].
 
-The quantization kernel matches the torch reference bit for bit: it divides with IEEE
-round-to-nearest (tl.math.div_rn, not the approximate `/`) and rounds half to even by adding
-and subtracting 1.5 * 2^23 (exact for |v| < 2^22; libdevice.rint would be the usual call, but
-Triton 3.9's interpreter cannot run libdevice).
+The quantization kernel (act_quant.py, shared with fp8_gemm.py) matches the torch reference
+bit for bit.
 The GEMM is autotuned over Hopper configs on CUDA (PTQ_KERNEL_AUTOTUNE=0, read at import, keeps
 the first one only); the interpreter uses one small config.
 K may be any size: loads past K are masked. On a CPU tensor without TRITON_INTERPRET=1 the
@@ -36,39 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .act_quant import INT8_MAX, check_input, check_static_scale, quantize_rows
+from .tiles import grouped_tile
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = os.environ.get("PTQ_KERNEL_AUTOTUNE", "1") != "0"
-INT8_MAX = tl.constexpr(127.0)
-_RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + magic - magic rounds half to even, |v| < 2^22
 
 
-# ----------------------------------------------------------------------------- quantization kernel
-
-
-@triton.jit
-def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row: (1) absmax -> scale unless STATIC, (2) scale, round, clamp, store."""
-    row = tl.program_id(0)
-    x_row = x_ptr + row * stride_xm
-    if STATIC:
-        scale = tl.load(s_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.max(amax, axis=0), INT8_MAX)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale)
-        v = tl.minimum(tl.maximum(v, -128.0), 127.0)  # clamping first is the same: bounds are integers
-        v = (v + _RINT_MAGIC) - _RINT_MAGIC  # round half to even
-        tl.store(q_ptr + row * stride_qm + offs, v.to(tl.int8), mask=offs < K)
+# ----------------------------------------------------------------------------- quantization
 
 
 def _check_device(t, name):
@@ -79,24 +52,9 @@ def _check_device(t, name):
 
 
 def _launch_quantize(x, scale):
-    """x [..., K] float -> (x_q int8 [M, K], scale); scale None -> per token (computed here)."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    check_input(x)
     _check_device(x, "int8 activation quantization")
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    q = torch.empty(M, K, device=x.device, dtype=torch.int8)
-    static = scale is not None
-    if not static:
-        scale = torch.empty(M, 1, device=x.device, dtype=torch.float32)
-    if M > 0:
-        block_k = min(1024, triton.next_power_of_2(max(K, 16)))
-        _quantize_int8_kernel[(M,)](x2, q, scale, K, x2.stride(0), q.stride(0),
-                                    STATIC=static, BLOCK_K=block_k)
-    return q, scale
+    return quantize_rows(x, scale, torch.int8)
 
 
 def quantize_per_token_int8(x):
@@ -104,16 +62,9 @@ def quantize_per_token_int8(x):
     return _launch_quantize(x, None)
 
 
-def _check_static_scale(scale, x):
-    if scale.numel() != 1 or not scale.is_floating_point():
-        raise ValueError(f"a static input scale must be one float value (shape [1]), got "
-                         f"{scale.dtype} {list(scale.shape)}")
-    return scale.reshape(1).to(device=x.device, dtype=torch.float32)
-
-
 def quantize_static_int8(x, scale):
     """Static per-tensor quantization with a given scale ([1] or scalar): x [..., K] -> int8 [M, K]."""
-    return _launch_quantize(x, _check_static_scale(scale, x))[0]
+    return _launch_quantize(x, check_static_scale(scale, x))[0]
 
 
 def quantize_per_token_int8_reference(x):
@@ -145,13 +96,7 @@ def _scaled_mm_kernel(
     A and B are int8 (ACC_DTYPE int32, exact) or fp8 e4m3 (ACC_DTYPE fp32).
     """
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -278,7 +223,7 @@ def w8a8_int8_linear(x, w_q, w_scale, bias=None, input_scale=None):
     if input_scale is None:
         x_q, x_scale = quantize_per_token_int8(x)
     else:
-        x_scale = _check_static_scale(input_scale, x)
+        x_scale = check_static_scale(input_scale, x)
         x_q = quantize_static_int8(x, x_scale)
     y = int8_matmul(x_q, x_scale, w_q, w_scale, bias=bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], w_q.shape[0])

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grouped_tile
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 SMALL_M = 16  # M at or below this takes the decode (split-K) launch
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -138,16 +140,9 @@ def _wna16_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # Output tile of this program, GROUP_M row-tiles at a time so that W tiles stay in L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
