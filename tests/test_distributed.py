@@ -191,12 +191,21 @@ def test_two_processes_gptq_differs_from_one_process_as_a_reordering_does(tmp_pa
     (("--resume",), "--resume runs in one process"),
     (("--stream",), "--stream runs in one process"),
 ])
-def test_what_several_processes_cannot_do_is_refused_in_one_line(tmp_path, extra, message):
+def test_what_several_processes_cannot_do_is_refused_in_one_line(tmp_path, monkeypatch, capsys, extra, message):
+    """Checked from the launcher's environment before the processes join, so each rank is run
+    here in turn as torchrun would start it (test_too_few_samples_for_the_processes_is_refused
+    runs the launcher itself)."""
     steps = [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]
-    result = _quantize(_recipe(tmp_path, "gptq", steps), tmp_path / "out", 2, *extra)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("ptq: error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]  # rank 0 says it, rank 1 stays quiet
+    recipe = _recipe(tmp_path, "gptq", steps)
+    said = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert main(_argv(recipe, tmp_path / "out", *extra)) == 2
+        said.append([line for line in capsys.readouterr().err.splitlines() if line.strip()])
+    assert len(said[0]) == 1 and said[0][0].startswith("ptq: error:") and message in said[0][0], said
+    assert said[1] == []  # rank 0 says it, rank 1 stays quiet
     assert not (tmp_path / "out").exists()
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ptq.openmp import SPIN_COUNT, WAIT_VARIABLES, spin_count_to_set
+from ptq.openmp import SPIN_COUNT, WAIT_VARIABLES, default_spin_count, spin_count_to_set
 
 
 def test_spin_count_is_set_when_nothing_chose_one():
@@ -34,5 +34,12 @@ def _spin_count_seen(code: str) -> str:
 def test_importing_ptq_sets_it_before_torch_loads():
     code = "import os, ptq, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
     assert _spin_count_seen(code) == str(SPIN_COUNT)
-    code = "import os, torch, ptq; print(os.environ.get('GOMP_SPINCOUNT'))"
-    assert _spin_count_seen(code) == "None"
+
+
+def test_what_ptq_runs_on_import_sets_nothing_once_torch_is_loaded(monkeypatch):
+    # this process loaded torch before ptq, as `import torch, ptq` does
+    for name in WAIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert "torch" in sys.modules
+    default_spin_count()
+    assert "GOMP_SPINCOUNT" not in os.environ
