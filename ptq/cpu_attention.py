@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ptq.algorithms import compiled
-from ptq.devices import cpu_parallel
+from ptq.devices import cpu_budget, cpu_parallel
 
 NAME = "ptq_cpu_causal"  # the attention implementation's name in transformers' registry
 # arguments that change what attention computes (transformers' kwargs for some models)
@@ -72,7 +72,7 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) ->
                             out.stride(0), out.stride(2), out.stride(1)], dtype=torch.int64)
     lib = compiled.library()[0]
     kernel = lib.ptq_attention_causal if dtype == torch.bfloat16 else lib.ptq_attention_causal_f32
-    threads = min(torch.get_num_threads(), B)
+    threads = min(cpu_budget(), B)
 
     def samples(b0: int, b1: int) -> None:
         code = kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),

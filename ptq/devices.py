@@ -78,7 +78,7 @@ def cpu_settings() -> dict[str, object]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_flags": sorted(cpu_flags()),
         "onednn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
-        "threads": torch.get_num_threads(),
+        "threads": cpu_budget(),
     }
 
 
@@ -130,9 +130,30 @@ def compute_dtype_for(device: torch.device | str, model_dtype: torch.dtype) -> t
     return torch.float32
 
 
+_thread = threading.local()  # .budget: this thread's cpu_budget() where it is not torch's count
+
+
+def cpu_budget() -> int:
+    """How many threads ptq's own CPU work started from this thread may use (cpu_parallel's
+    threads, passes side by side): torch's thread count, or inside
+    torch_ops_on_one_thread() the count torch had before it."""
+    return getattr(_thread, "budget", 0) or torch.get_num_threads()
+
+
+@contextmanager
+def _budget(n: int) -> Iterator[None]:
+    before = getattr(_thread, "budget", 0)
+    _thread.budget = n
+    try:
+        yield
+    finally:
+        _thread.budget = before
+
+
 @contextmanager
 def cpu_threads(n: int) -> Iterator[None]:
-    """Run the block with torch's CPU ops on n threads, then restore the thread count.
+    """Run the block with torch's CPU ops on n threads (and n threads for ptq's own work
+    started in it, cpu_budget), then restore the thread count.
 
     For ops whose result depends on how many threads split the work: LAPACK's Cholesky
     (MKL potrf) rounds differently on 1 and 2 threads. Not every op can be pinned so at a
@@ -144,7 +165,27 @@ def cpu_threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        yield
+        with _budget(n):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def torch_ops_on_one_thread() -> Iterator[None]:
+    """torch's ops called from this thread run on one thread; ptq's own threads
+    (cpu_parallel, passes side by side) keep the count torch had.
+
+    For a process whose OpenMP runtime spins long (ptq/openmp.py: torch loaded before ptq
+    could shorten the spin): after an op on n threads its n - 1 helpers spin for
+    milliseconds, on the cores ptq's own threads need next; an op on one thread wakes
+    none of them."""
+    budget = cpu_budget()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _budget(budget):
+            yield
     finally:
         torch.set_num_threads(before)
 
@@ -231,7 +272,7 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
     torch's threads (one each on up to 8 cores): no op then waits for a partner thread at a
     barrier (on a busy CPU a descheduled thread holds up only its own pass), and there no
     op splits a sum by the thread count."""
-    threads = torch.get_num_threads()
+    threads = cpu_budget()
     if threads <= 1 or count <= 1 or torch.device(device).type != "cpu":
         return None
     in_flight = min(threads, MAX_IN_FLIGHT)

@@ -16,6 +16,14 @@ not import torch, and ptq/__init__.py calls default_spin_count() before anything
 it. A wait setting the user chose is kept, and nothing is set when torch is already loaded
 (too late to matter in this process). The setting changes no result: the thread count and
 how each op splits its work stay the same.
+
+torch imported first (as a training pipeline does) leaves the long spin, and it costs on a
+quiet machine too: ptq's own threads (devices.cpu_parallel: Hessians, GPTQ's rows, passes
+side by side) start right after torch's ops, whose spinning helpers hold the cores they
+need (SmolLM2-shaped GPTQ on 2 cores: 6.2-6.5 s with ptq imported first, 8.9-9.3 s with
+torch first). spins_long() says when; ptq.quantize then runs torch's ops on one thread
+each (devices.torch_ops_on_one_thread: an op on one thread wakes no helper) and its own
+work on its threads, and the report says so.
 """
 
 from __future__ import annotations
@@ -36,8 +44,23 @@ def spin_count_to_set(environ: Mapping[str, str], torch_loaded: bool) -> str | N
     return str(SPIN_COUNT)
 
 
+LONG_SPIN_NOTE = ("torch was imported before ptq, so its OpenMP threads spin long after each op: torch's ops ran on "
+                  "one thread each, ptq's own work on its threads (import ptq first to let it shorten the spin)")
+_long_spin = False
+
+
 def default_spin_count() -> None:
-    """Set GOMP_SPINCOUNT in this process's environment, where spin_count_to_set says so."""
-    value = spin_count_to_set(os.environ, torch_loaded="torch" in sys.modules)
+    """Set GOMP_SPINCOUNT in this process's environment, where spin_count_to_set says so;
+    remember whether the runtime keeps its long default (spins_long)."""
+    global _long_spin
+    torch_loaded = "torch" in sys.modules
+    value = spin_count_to_set(os.environ, torch_loaded=torch_loaded)
     if value is not None:
         os.environ["GOMP_SPINCOUNT"] = value
+    _long_spin = torch_loaded and not any(name in os.environ for name in WAIT_VARIABLES)
+
+
+def spins_long() -> bool:
+    """Whether torch's OpenMP threads spin libgomp's default 300,000 times here: torch was
+    loaded before ptq, and nobody chose a wait setting."""
+    return _long_spin

@@ -9,6 +9,7 @@ describing what was done. Nothing here prints (progress bars aside).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -30,12 +31,13 @@ from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, batch_size_for, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage
-from ptq.devices import compute_dtype_for, cpu_settings
+from ptq.devices import compute_dtype_for, cpu_settings, torch_ops_on_one_thread
 from ptq.distributed import rank, sample_share, share_from, world_size
 from ptq.errors import PtqError
 from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
 from ptq.models import float32_names
 from ptq.modules import QuantLinear
+from ptq.openmp import LONG_SPIN_NOTE, spins_long
 from ptq.moe_policy import check_experts_scheme, natural_key, router_notes, router_safe
 from ptq.targets import matches
 from ptq.recipe import AWQStep, GPTQStep, Recipe, WeightStep, load_recipe
@@ -139,11 +141,22 @@ def quantize(
     weights: the model is on the meta device and its weights are streamed from disk, one
     block at a time, and written out as each is finished (ptq.streaming.quantize_streamed,
     which builds this argument; it checks each weight for NaN and Inf as it loads it).
+    On a CPU where torch was imported before ptq (openmp.spins_long), torch's ops run on one
+    thread at a time meanwhile and ptq's own threads do the parallel work; the report says so.
     """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    long_spin = device.type == "cpu" and spins_long()
+    with torch_ops_on_one_thread() if long_spin else contextlib.nullcontext():
+        return _quantize(model, recipe, tokenizer=tokenizer, data=data, device=device, dtype=dtype,
+                         show_progress=show_progress, store=store, weights=weights, long_spin=long_spin)
+
+
+def _quantize(model: nn.Module, recipe: Recipe | str, *, tokenizer, data, device: torch.device,
+              dtype: torch.dtype | None, show_progress: bool, store: BlockStore | None,
+              weights: BlockWeights | None, long_spin: bool) -> nn.Module:
     recipe = load_recipe(recipe)
     step, kv = recipe.weight_step, recipe.kv_cache
     start = time.perf_counter()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if weights is None:
         check_finite(model)
     if kv is not None:
@@ -174,6 +187,8 @@ def quantize(
         report.calibration_data = _describe_data(data)
     if device.type == "cpu":
         report.cpu = cpu_settings()
+        if long_spin:  # a note, not a setting: the bits are the same either way
+            report.notes.append(LONG_SPIN_NOTE)
         if weights_use_calibration(recipe):
             if report.compute_dtype == torch.bfloat16:
                 # Hessians and AWQ's Gram matrices of bf16 inputs (observers.HessianObserver)

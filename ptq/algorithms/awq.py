@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from ptq.algorithms import compiled
 from ptq.algorithms.smoothquant import apply_smoothing_, replace_
-from ptq.devices import cpu_parallel, map_side_by_side
+from ptq.devices import cpu_budget, cpu_parallel, map_side_by_side
 from ptq.errors import PtqError
 from ptq.primitives import fake_quantize, num_groups
 from ptq.schemes import QuantArgs
@@ -176,7 +176,7 @@ def candidate_weights(W: Tensor, scales: Tensor, args: QuantArgs, scale_dtype: t
         W32, s = W.float().contiguous(), scales.float().contiguous()
         out = torch.empty((len(s), *W.shape), dtype=W.dtype)
         cpu_parallel([functools.partial(compiled.awq_candidate, W32, s[c], args, scale_dtype, W.dtype, out[c], False)
-                      for c in range(len(s))], torch.get_num_threads())
+                      for c in range(len(s))], cpu_budget())
         return out
     s = scales.to(device=W.device, dtype=torch.float32).unsqueeze(1)  # [c, 1, in]
     scaled = W.float() * s  # [c, out, in]
@@ -257,7 +257,7 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     def loss(scales: Tensor) -> Tensor:
         s = scales.to(device=W.device, dtype=torch.float32).contiguous()
         tasks = [functools.partial(squared_errors, part) for part in s.split(max(1, TASK_ELEMENTS // W.numel()))]
-        sums = cpu_parallel(tasks, torch.get_num_threads()) if W.device.type == "cpu" else [t() for t in tasks]
+        sums = cpu_parallel(tasks, cpu_budget()) if W.device.type == "cpu" else [t() for t in tasks]
         sums = [value for part in sums for value in part]
         return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=W.device).float()
 

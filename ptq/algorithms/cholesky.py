@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.devices import cpu_parallel, cpu_threads
+from ptq.devices import cpu_budget, cpu_parallel, cpu_threads
 
 MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
 MAX_RETRIES = 4
@@ -96,7 +96,7 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
     if on_one_thread(H):
         return _inverse_cholesky_small(H, base, mean, damp)
-    threads = torch.get_num_threads()
+    threads = cpu_budget()
     # the blocks' operations run side by side on one thread each (_parallel); between them
     # the copies and small steps run on this thread alone: on two threads each would first
     # wake torch's other OpenMP thread, asleep since the last (a VM's idle core wakes late)

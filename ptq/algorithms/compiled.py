@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ptq._sources import source_digest
-from ptq.devices import cpu_parallel
+from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
 ABI = 7  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
@@ -241,7 +241,7 @@ class QuadraticForm:
         self.features = n = G.shape[0]
         # [column block, row block, half of 16 columns, row pair, column, row of the pair]
         self.GV = torch.empty(n // 32, n // 32, 2, 16, 16, 2, dtype=torch.bfloat16)
-        blocks, threads = n // 32, torch.get_num_threads()
+        blocks, threads = n // 32, cpu_budget()
         cuts = [round(blocks * (t / threads) ** 0.5) for t in range(threads + 1)]  # column block jb has jb + 1
         cpu_parallel([functools.partial(library()[0].ptq_gram_quadratic_pack, G.data_ptr(), n, G.stride(0), a, b,
                                         self.GV.data_ptr()) for a, b in zip(cuts, cuts[1:]) if b > a], threads)
@@ -346,7 +346,7 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     pointers = (src.data_ptr(), src.stride(0), None if R is None else R.data_ptr(),
                 None if C is None else C.data_ptr())
     cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr()) for i0, i1 in _ranges(ni, out.numel())],
-                 torch.get_num_threads())
+                 cpu_budget())
     return out
 
 
@@ -373,7 +373,7 @@ def _ranges(total: int, work: int, position: Callable[[float], float] = lambda f
     """[0, total) cut into one range per thread of about equal work (work: elements moved in
     all, at least TRANSPOSE_TASK per range); position(f): where the first f of the work ends,
     as a fraction of total (uniform work: f itself)."""
-    tasks = max(1, min(torch.get_num_threads(), work // TRANSPOSE_TASK))
+    tasks = max(1, min(cpu_budget(), work // TRANSPOSE_TASK))
     cuts = sorted({0, total, *(round(total * position(t / tasks)) for t in range(1, tasks))})
     return list(zip(cuts, cuts[1:]))
 
@@ -388,7 +388,7 @@ def gathered(src: Tensor, rows: Tensor, cols: Tensor) -> Tensor | None:
     out = torch.empty(R.numel(), C.numel(), dtype=src.dtype)
     cpu_parallel([functools.partial(lib.ptq_gather_32, src.data_ptr(), src.stride(0), R.data_ptr(), C.data_ptr(),
                                     i0, i1, C.numel(), out.data_ptr()) for i0, i1 in _ranges(R.numel(), out.numel())],
-                 torch.get_num_threads())
+                 cpu_budget())
     return out
 
 
@@ -403,7 +403,7 @@ def mirror_(A: Tensor, to_upper: bool = False) -> bool:
     # row i moves i entries into the lower triangle, n - 1 - i into the upper one
     position = (lambda f: 1 - (1 - f) ** 0.5) if to_upper else (lambda f: f**0.5)
     cpu_parallel([functools.partial(lib.ptq_mirror_32, A.data_ptr(), n, A.stride(0), i0, i1, int(to_upper))
-                  for i0, i1 in _ranges(n, n * n // 2, position)], torch.get_num_threads())
+                  for i0, i1 in _ranges(n, n * n // 2, position)], cpu_budget())
     return True
 
 
@@ -417,5 +417,5 @@ def reverse_(A: Tensor) -> bool:
         return False
     half = A.numel() // 2
     cpu_parallel([functools.partial(lib.ptq_reverse_32, A.data_ptr(), A.numel(), k0, k1)
-                  for k0, k1 in _ranges(half, 2 * half)], torch.get_num_threads())
+                  for k0, k1 in _ranges(half, 2 * half)], cpu_budget())
     return True

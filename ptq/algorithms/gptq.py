@@ -30,7 +30,7 @@ from ptq.algorithms import compiled
 from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
-from ptq.devices import cpu_parallel, cpu_threads, float32_gemms
+from ptq.devices import cpu_budget, cpu_parallel, cpu_threads, float32_gemms
 from ptq.primitives import (
     FP8_DTYPE,
     FP8_MAX,
@@ -102,7 +102,7 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
     Hr = _reversed_copy(H, order, dead)
     factor = functools.partial(inverse_cholesky, Hr, damp)  # -> Hinv [in, in] upper, damp, failure
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
-    if on_one_thread(Hr) and torch.get_num_threads() > 1:  # the working copy is made beside the factorisation
+    if on_one_thread(Hr) and cpu_budget() > 1:  # the working copy is made beside the factorisation
         (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
     else:
         (Hinv, used_damp, reason), working = factor(), None
@@ -343,7 +343,7 @@ def _solve(
         first_at = torch.full((cols,), -1, dtype=torch.long)  # [in]
         first_at[list(first)] = torch.tensor(list(first.values()), dtype=torch.long)
         blocks = BlockLoop(Wt, Hinv, Err1, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,
-                           grid.args, grid.scale_dtype, grid.observer, torch.get_num_threads())
+                           grid.args, grid.scale_dtype, grid.observer, cpu_budget())
         loss = blocks.solve(block_size)
         grid.scale.copy_(grid.scale_f)  # the compiled loop fills the float32 copy, in scale_dtype's values
         return Qt, loss
@@ -355,7 +355,7 @@ def _solve(
     # an OpenMP fork and join, on a busy CPU a wait for a descheduled thread (issue 15: the
     # solves on SmolLM2's shapes took half the time). The codes are the same at any count.
     cpu = device.type == "cpu"
-    threads = torch.get_num_threads()
+    threads = cpu_budget()
     with cpu_threads(1) if cpu else contextlib.nullcontext():
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ptq.algorithms import compiled
 from ptq.algorithms.cholesky import mirror_triangle_
-from ptq.devices import bf16_valued_gemms_exact, cpu_parallel, float32_gemms
+from ptq.devices import bf16_valued_gemms_exact, cpu_budget, cpu_parallel, float32_gemms
 from ptq.distributed import all_reduce_, all_reduce_count
 
 
@@ -91,7 +91,7 @@ class HessianObserver(Observer):
         about equal work per thread."""
         if tiles:  # blocks of about equal work: rows of 32 features g = 0, 1, ... cost n - 32g
             groups = n // 32
-            pieces, total = min(groups, cls.TILE_PIECES * torch.get_num_threads()), groups * (n + 32) // 2
+            pieces, total = min(groups, cls.TILE_PIECES * cpu_budget()), groups * (n + 32) // 2
             edges, done = [0], 0
             for g in range(groups - 1):
                 done += n - 32 * g
@@ -166,7 +166,7 @@ class HessianObserver(Observer):
                 add()
             return
         with float32_gemms("bf16" if self._bf16_values else "ieee"):
-            cpu_parallel(rows, torch.get_num_threads())
+            cpu_parallel(rows, cpu_budget())
 
     def _accumulate_tiles(self, flat: Tensor) -> None:
         """sum += flatᵀ flat for flat [tokens, in] bf16 by compiled.GramTiles (AMX tiles or
@@ -178,7 +178,7 @@ class HessianObserver(Observer):
         edges = self.row_blocks(n, tiles=True)
         if self._tiles is None:  # kept for the next chunks: no fresh pages to fault in each time
             self._tiles = compiled.GramTiles(self._pending.shape[0], n)
-        tiles, threads = self._tiles, torch.get_num_threads()
+        tiles, threads = self._tiles, cpu_budget()
         tiles.load(flat)
         blocks = n // 16
         cuts = [blocks * t // threads for t in range(threads + 1)]
