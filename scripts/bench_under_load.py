@@ -11,7 +11,9 @@ stopped here. Settings, each forced through the environment of the ptq process:
 - old: libgomp's default spin (GOMP_SPINCOUNT=300000, about 3 ms), ptq before the fix;
 - new: ptq's default (GOMP_SPINCOUNT=ptq.openmp.SPIN_COUNT, set when ptq is imported);
 - passive: OMP_WAIT_POLICY=PASSIVE (idle threads sleep at once);
-- 1 thread: OMP_NUM_THREADS=1 with the new spin count.
+- 1 thread: OMP_NUM_THREADS=1 with the new spin count;
+- torch first: the new defaults, but torch imported before ptq (as a training pipeline
+  does: libgomp keeps its long spin, and ptq.quantize runs torch's ops on one thread).
 
 A run past --timeout counts as that many seconds and shows as ">". With llm-compressor
 importable (here or in --llmc-python's venv) its GPTQ on the same model, bf16, 128 x 512
@@ -42,7 +44,9 @@ SETTINGS = {
     "new": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "1 thread": {"OMP_NUM_THREADS": "1"},
+    "torch first": {},  # the command imports torch before ptq (ptq_command)
 }
+TORCH_FIRST = "import torch, sys; from ptq.cli import main; sys.exit(main(sys.argv[1:]))"
 WAIT_VARIABLES = (*ptq.openmp.WAIT_VARIABLES, "OMP_NUM_THREADS")  # each setting forces its own
 
 
@@ -72,10 +76,11 @@ def run(command: list[str], report: Path | None, env: dict[str, str], timeout: f
     return (json.loads(report.read_text())["seconds"] if report else float("nan")), wall
 
 
-def ptq_command(recipe: str, work: Path) -> tuple[list[str], Path]:
+def ptq_command(recipe: str, work: Path, torch_first: bool = False) -> tuple[list[str], Path]:
     """A fresh output folder each time: a run stopped by the timeout leaves an unfinished one."""
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    return [sys.executable, "-m", "ptq", "quantize", "--recipe", f"recipes/w4a16-{recipe}.yaml", "--no-eval",
+    start = ["-c", TORCH_FIRST] if torch_first else ["-m", "ptq"]
+    return [sys.executable, *start, "quantize", "--recipe", f"recipes/w4a16-{recipe}.yaml", "--no-eval",
             "--output", str(run_dir / "out"), "--report-json", str(run_dir / "report.json")], run_dir / "report.json"
 
 
@@ -113,8 +118,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="ptq-bench-load-"))
     base = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
-    cases = [(f"ptq {recipe}", setting, functools.partial(ptq_command, recipe, work), {**base, **SETTINGS[setting]})
-             for recipe in args.recipes for setting in args.settings]
+    cases = [(f"ptq {recipe}", setting, functools.partial(ptq_command, recipe, work, setting == "torch first"),
+              {**base, **SETTINGS[setting]}) for recipe in args.recipes for setting in args.settings]
     python = llmc_python(args.llmc_python)
     if python:
         llmc = llmc_command(python, work)
@@ -127,7 +132,7 @@ def main() -> None:
                 for tool, setting, command, env in cases:
                     result = run(*command(), env, args.timeout)
                     times.setdefault((tool, setting, load), []).append(result)
-                    print(f"{load:6} {tool:20} {setting:8} quantize {result[0]:7.2f} s  wall {result[1]:7.2f} s",
+                    print(f"{load:6} {tool:20} {setting:11} quantize {result[0]:7.2f} s  wall {result[1]:7.2f} s",
                           flush=True)
 
     def shown(seconds: float) -> str:
@@ -135,7 +140,7 @@ def main() -> None:
 
     print(f"\n{cores} cores; loaded: {cores} busy processes beside ptq. Seconds (median of {args.repeats}); "
           "quantize = ptq's own timing, wall = the whole command")
-    print(f"{'tool':20} {'setting':8} {'quantize quiet':>14} {'loaded':>8} {'slowdown':>9}"
+    print(f"{'tool':20} {'setting':11} {'quantize quiet':>14} {'loaded':>8} {'slowdown':>9}"
           f" {'wall quiet':>11} {'loaded':>8} {'slowdown':>9}")
     for tool, setting, *_ in cases:
         cells = []
@@ -144,7 +149,7 @@ def main() -> None:
                              for load in ("quiet", "loaded"))
             known = quiet == quiet and max(quiet, loaded) < args.timeout  # no nan, no run stopped
             cells += [shown(quiet), shown(loaded), f"{loaded / quiet:.1f}x" if known else "-"]
-        print(f"{tool:20} {setting:8} {cells[0]:>14} {cells[1]:>8} {cells[2]:>9} {cells[3]:>11} {cells[4]:>8}"
+        print(f"{tool:20} {setting:11} {cells[0]:>14} {cells[1]:>8} {cells[2]:>9} {cells[3]:>11} {cells[4]:>8}"
               f" {cells[5]:>9}")
 
 
