@@ -18,6 +18,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -287,7 +288,11 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     elsewhere one call after another, each result yielded as it comes."""
     shared = side_by_side(len(items), device)
     if shared is None:
-        yield from map(function, items)
+        on_cpu = torch.device(device).type == "cpu"
+        for item in items:  # inside torch_ops_on_one_thread: a lone pass still on all threads
+            with cpu_threads(cpu_budget()) if on_cpu else contextlib.nullcontext():
+                result = function(item)
+            yield result
         return
     in_flight, threads_each = shared
 

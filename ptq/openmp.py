@@ -21,9 +21,10 @@ torch imported first (as a training pipeline does) leaves the long spin, and it 
 quiet machine too: ptq's own threads (devices.cpu_parallel: Hessians, GPTQ's rows, passes
 side by side) start right after torch's ops, whose spinning helpers hold the cores they
 need (SmolLM2-shaped GPTQ on 2 cores: 6.2-6.5 s with ptq imported first, 8.9-9.3 s with
-torch first). spins_long() says when; ptq.quantize then runs torch's ops on one thread
-each (devices.torch_ops_on_one_thread: an op on one thread wakes no helper) and its own
-work on its threads, and the report says so.
+torch first). spins_long() says when; ptq.quantize's calibration passes then run torch's
+ops on one thread each (devices.torch_ops_on_one_thread: an op on one thread wakes no
+helper; a lone forward pass keeps all threads) and ptq's own work on its threads, and the
+report says so. Elsewhere (RTN, evaluation) no thread of ptq's competes: left as it is.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def spin_count_to_set(environ: Mapping[str, str], torch_loaded: bool) -> str | N
     return str(SPIN_COUNT)
 
 
-LONG_SPIN_NOTE = ("torch was imported before ptq, so its OpenMP threads spin long after each op: torch's ops ran on "
-                  "one thread each, ptq's own work on its threads (import ptq first to let it shorten the spin)")
+LONG_SPIN_NOTE = ("torch was imported before ptq, so its OpenMP threads spin long after each op: in the calibration "
+                  "passes torch's ops ran on one thread each, ptq's own work on its threads (import ptq first to let "
+                  "it shorten the spin)")
 _long_spin = False
 
 

@@ -142,21 +142,13 @@ def quantize(
     block at a time, and written out as each is finished (ptq.streaming.quantize_streamed,
     which builds this argument; it checks each weight for NaN and Inf as it loads it).
     On a CPU where torch was imported before ptq (openmp.spins_long), torch's ops run on one
-    thread at a time meanwhile and ptq's own threads do the parallel work; the report says so.
+    thread at a time in the calibration passes, where ptq's own threads do the parallel work;
+    the report says so.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    long_spin = device.type == "cpu" and spins_long()
-    with torch_ops_on_one_thread() if long_spin else contextlib.nullcontext():
-        return _quantize(model, recipe, tokenizer=tokenizer, data=data, device=device, dtype=dtype,
-                         show_progress=show_progress, store=store, weights=weights, long_spin=long_spin)
-
-
-def _quantize(model: nn.Module, recipe: Recipe | str, *, tokenizer, data, device: torch.device,
-              dtype: torch.dtype | None, show_progress: bool, store: BlockStore | None,
-              weights: BlockWeights | None, long_spin: bool) -> nn.Module:
     recipe = load_recipe(recipe)
     step, kv = recipe.weight_step, recipe.kv_cache
     start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if weights is None:
         check_finite(model)
     if kv is not None:
@@ -185,6 +177,8 @@ def _quantize(model: nn.Module, recipe: Recipe | str, *, tokenizer, data, device
                                 device.type, coverage=planned)
     if data is not None and uses_calibration_data(recipe):
         report.calibration_data = _describe_data(data)
+    # torch's ops on one thread in the calibration passes (devices.torch_ops_on_one_thread)
+    long_spin = device.type == "cpu" and spins_long() and step is not None and weights_use_calibration(recipe)
     if device.type == "cpu":
         report.cpu = cpu_settings()
         if long_spin:  # a note, not a setting: the bits are the same either way
@@ -218,8 +212,9 @@ def _quantize(model: nn.Module, recipe: Recipe | str, *, tokenizer, data, device
     cast_parameters_(model, report.compute_dtype)
     model.eval()
     if step is not None and weights_use_calibration(recipe):
-        _quantize_with_calibration(model, linears, recipe, batches, batch_size, device, report, show_progress, store,
-                                   weights)
+        with torch_ops_on_one_thread() if long_spin else contextlib.nullcontext():
+            _quantize_with_calibration(model, linears, recipe, batches, batch_size, device, report, show_progress,
+                                       store, weights)
     elif step is not None and weights is not None:
         _quantize_rtn_streamed(model, linears, step, report, weights, find_blocks(model)[0])
     elif step is not None:
