@@ -15,11 +15,14 @@ from ptq.devices import (
     bf16_is_fast,
     compute_dtype_for,
     cpu_bf16_is_fast,
+    cpu_budget,
     cpu_flags,
     cpu_parallel,
     cpu_settings,
     cpu_threads,
     cpuinfo_flags,
+    map_side_by_side,
+    torch_ops_on_one_thread,
 )
 from ptq.recipe import load_recipe
 
@@ -113,6 +116,22 @@ def test_cpu_threads_sets_and_restores_the_thread_count():
     with pytest.raises(RuntimeError), cpu_threads(1):
         raise RuntimeError("restored on errors too")
     assert torch.get_num_threads() == before
+
+
+def test_torch_ops_on_one_thread_keeps_ptqs_budget_and_a_lone_pass_its_threads():
+    def seen(_item):
+        return torch.get_num_threads(), cpu_budget()
+
+    with cpu_threads(2):
+        with torch_ops_on_one_thread():
+            assert (torch.get_num_threads(), cpu_budget()) == (1, 2)
+            with cpu_threads(1):  # what cpu_parallel's tasks run under
+                assert cpu_budget() == 1
+            assert cpu_budget() == 2
+            assert list(map_side_by_side(seen, [0], "cpu")) == [(2, 2)]  # one pass: all threads
+            assert list(map_side_by_side(seen, [0, 1], "cpu")) == [(1, 1), (1, 1)]  # side by side
+            assert torch.get_num_threads() == 1
+        assert (torch.get_num_threads(), cpu_budget()) == (2, 2)
 
 
 def test_cpu_parallel_returns_results_in_order_and_the_caller_takes_tasks_too():
