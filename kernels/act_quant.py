@@ -84,9 +84,8 @@ def check_static_scale(scale, x):
 
 
 def quantize_rows(x, scale, dtype):
-    """x [..., K] float -> (q [M, K] of `dtype`, torch.int8 or FP8_DTYPE, and its scale):
-    scale None -> per token (computed here, fp32 [M, 1]), else the checked static [1]."""
-    check_input(x)
+    """x [..., K] float (check_input's) -> (q [M, K] of `dtype`, torch.int8 or FP8_DTYPE, and its
+    scale): scale None -> per token (computed here, fp32 [M, 1]), else the checked static [1]."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:

@@ -182,13 +182,8 @@ def torch_ops_on_one_thread() -> Iterator[None]:
     milliseconds, on the cores ptq's own threads need next; an op on one thread wakes
     none of them."""
     budget = cpu_budget()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _budget(budget):
-            yield
-    finally:
-        torch.set_num_threads(before)
+    with cpu_threads(1), _budget(budget):
+        yield
 
 
 @functools.cache
