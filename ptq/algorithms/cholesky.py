@@ -18,7 +18,10 @@ the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times 
 On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
 (linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
 LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
-93) and faster than the blocked path on two threads up to 1536 rows. On a CPU with AVX2
+93) and faster than the blocked path on two threads up to 1536 rows. Its Cholesky runs on
+one thread; from compiled.INVERSE_ROWS rows up the inverse's tiles of columns are shared by
+the threads (2-core Zen 5: 1536 rows 10.5-10.8 ms on two threads against 13.1-13.2 on one,
+768 rows 1.6 against 1.8; the same bits). On a CPU with AVX2
 and FMA but not AVX-512 the same code in narrower tiles (the same bits) takes matrices of
 up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's 12-14 ms,
 768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
@@ -82,11 +85,13 @@ def damp_schedule(damp: float) -> list[float]:
     return steps
 
 
-def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
+def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None) -> tuple[Tensor | None, float, str | None]:
     """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
 
     H is the reversed matrix J H J (gptq._reversed_copy), a float32 copy this function
     factors in place. Returns (Hinv, λ, None), or (None, λ, reason) when no λ works.
+    threads: how many threads may share the work (cpu_budget() by default); the bits do
+    not depend on it.
     """
     if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
@@ -94,9 +99,9 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
     mean = base.mean()
     if not bool(mean > 0):
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
+    threads = cpu_budget() if threads is None else threads
     if on_one_thread(H):
-        return _inverse_cholesky_small(H, base, mean, damp)
-    threads = cpu_budget()
+        return _inverse_cholesky_small(H, base, mean, damp, threads)
     # the blocks' operations run side by side on one thread each (_parallel); between them
     # the copies and small steps run on this thread alone: on two threads each would first
     # wake torch's other OpenMP thread, asleep since the last (a VM's idle core wakes late)
@@ -117,7 +122,8 @@ def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor | None, float, str 
 
 def on_one_thread(H: Tensor) -> bool:
     """Whether inverse_cholesky factors H on one thread (a CPU matrix of at most SMALL rows,
-    or compiled_rows() where the compiled factorisation runs), leaving the others free for
+    or compiled_rows() where the compiled factorisation runs: its inverse's columns, from
+    compiled.INVERSE_ROWS rows up, are shared by the threads), leaving the others free for
     work beside it. Decided by the size alone, never by the thread count: the bits stay the
     same."""
     return H.device.type == "cpu" and (H.shape[0] <= SMALL or _compiled(H))
@@ -127,11 +133,16 @@ def _compiled(H: Tensor) -> bool:
     return H.dtype == torch.float32 and H.shape[0] <= compiled_rows()
 
 
-def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float) -> tuple[Tensor | None, float, str | None]:
-    """inverse_cholesky on one thread (on_one_thread): the compiled factorisation where it
-    runs (compiled_rows), else LAPACK's Cholesky and triangular inverse (H is not changed: the
-    damped matrix is a copy)."""
-    inverse_of = compiled.inverse_cholesky if _compiled(H) else _lapack_inverse_cholesky
+def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int
+                            ) -> tuple[Tensor | None, float, str | None]:
+    """inverse_cholesky where on_one_thread says so: the compiled factorisation where it
+    runs (compiled_rows; its Cholesky on this thread, its inverse's columns shared by
+    `threads` from compiled.INVERSE_ROWS rows up), else LAPACK's Cholesky and triangular
+    inverse on one thread (H is not changed: the damped matrix is a copy)."""
+    if _compiled(H):
+        inverse_of = functools.partial(compiled.inverse_cholesky, threads=threads)
+    else:
+        inverse_of = _lapack_inverse_cholesky
     for lam in damp_schedule(damp):
         inverse = inverse_of(H, base + mean * lam)  # [n, n] lower, or None
         if inverse is not None:

@@ -32,13 +32,14 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 7  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 8  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
     (1, 1): "ptq_transpose_8", (2, 2): "ptq_transpose_16", (4, 4): "ptq_transpose_32", (2, 4): "ptq_transpose_bf16_f32",
 }
 TRANSPOSE_TASK = 1 << 18  # elements of the target per task at least (smaller copies: one task)
+INVERSE_ROWS = 768  # from this many rows, inverse_cholesky's L⁻¹ is shared by threads (below: one)
 
 
 @functools.cache
@@ -91,8 +92,12 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_linalg_available.argtypes = []
     lib.ptq_gemm_subtract.restype = ctypes.c_int
     lib.ptq_gemm_subtract.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _I, _I]
-    lib.ptq_inverse_cholesky.restype = ctypes.c_int
-    lib.ptq_inverse_cholesky.argtypes = [_P, _I, _I, _P, _P, _C]
+    lib.ptq_cholesky_padded.restype = ctypes.c_int
+    lib.ptq_cholesky_padded.argtypes = [_P, _I, _I, _P, _P, _C]
+    lib.ptq_inverse_tiles.restype = None
+    lib.ptq_inverse_tiles.argtypes = [_P, _I, _P, _P, _C]
+    lib.ptq_inverse_copy.restype = ctypes.c_int
+    lib.ptq_inverse_copy.argtypes = [_P, _I, _I, _P]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -285,23 +290,34 @@ def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     assert status == 0, "the compiled GEMM needs AVX-512"
 
 
-def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False) -> Tensor | None:
+def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1) -> Tensor | None:
     """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
-    CPU, its lower triangle read) with its diagonal replaced by diag [n], on this thread
-    (linalg.c; linalg_available must have said yes); None when that matrix is
-    not positive definite or L⁻¹ is not finite. narrow: the AVX2 code even where the CPU has
+    CPU, its lower triangle read) with its diagonal replaced by diag [n] (linalg.c;
+    linalg_available must have said yes); None when that matrix is not positive definite
+    or L⁻¹ is not finite. The Cholesky runs on this thread; from INVERSE_ROWS rows up, L⁻¹'s
+    tiles of columns are shared by up to `threads` threads (cpu_parallel), each tile the
+    same bits whichever thread computes it. narrow: the AVX2 code even where the CPU has
     AVX-512 (the same bits: for tests)."""
     n = H.shape[0]
     assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"
+    lib = library()[0]
     H = H if H.stride(1) == 1 else H.contiguous()
     diag = diag.contiguous()
-    out = torch.empty(n, n, dtype=torch.float32)
-    status = library()[0].ptq_inverse_cholesky(H.data_ptr(), n, H.stride(0), diag.data_ptr(), out.data_ptr(),
-                                               int(narrow))
+    padded = -(-n // 32) * 32
+    A = torch.empty(padded, padded, dtype=torch.float32)
+    status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), diag.data_ptr(), A.data_ptr(), int(narrow))
     if status == 3:
         raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")
     assert status != 4, "the compiled Cholesky needs AVX-512, or AVX2 and FMA"
-    return out if status == 0 else None
+    if status != 0:
+        return None
+    X, next_tile = torch.empty(padded, padded, dtype=torch.float32), torch.zeros(1, dtype=torch.int64)
+    tiles = functools.partial(lib.ptq_inverse_tiles, A.data_ptr(), padded, X.data_ptr(), next_tile.data_ptr(),
+                              int(narrow))
+    sharing = threads if padded >= INVERSE_ROWS else 1
+    cpu_parallel([tiles] * sharing, sharing)
+    out = torch.empty(n, n, dtype=torch.float32)
+    return out if lib.ptq_inverse_copy(X.data_ptr(), padded, n, out.data_ptr()) == 0 else None
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:

@@ -100,7 +100,8 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
     Hr = _reversed_copy(H, order, dead)
-    factor = functools.partial(inverse_cholesky, Hr, damp)  # -> Hinv [in, in] upper, damp, failure
+    # -> Hinv [in, in] upper, damp, failure; the threads this call may use, also from inside cpu_parallel
+    factor = functools.partial(inverse_cholesky, Hr, damp, cpu_budget())
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
     if on_one_thread(Hr) and cpu_budget() > 1:  # the working copy is made beside the factorisation
         (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)

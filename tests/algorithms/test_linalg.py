@@ -34,6 +34,26 @@ def test_compiled_inverse_of_the_factor(n):
     assert torch.equal(X, compiled.inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("n", [33, 300, 800])
+def test_threads_sharing_the_inverse_give_the_bits_of_one(n, narrow, monkeypatch):
+    # L⁻¹'s tiles of columns shared by 2 or 3 threads (from any size: INVERSE_ROWS lowered),
+    # the same bits as on one; and within 1e-6 of float64, as on one thread
+    if narrow and compiled.linalg_kind() != "AVX-512":
+        pytest.skip("the AVX2 code alone runs here: the default already is it")
+    monkeypatch.setattr(compiled, "INVERSE_ROWS", 0)
+    x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
+    H = x.t() @ x / (2 * n)
+    diag = H.diagonal() * 1.01
+    one = compiled.inverse_cholesky(H, diag, narrow=narrow)
+    for threads in (2, 3):
+        assert torch.equal(compiled.inverse_cholesky(H, diag, narrow=narrow, threads=threads), one), threads
+    exact = H.double().clone()
+    exact.diagonal().copy_(diag.double())
+    expected = torch.linalg.inv(torch.linalg.cholesky(exact))
+    assert float((one.double() - expected).abs().max() / expected.abs().max()) < 1e-6
+
+
 def test_compiled_factorisation_says_what_failed():
     n = 70
     H = torch.eye(n)
