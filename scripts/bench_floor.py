@@ -18,9 +18,10 @@ and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
 - Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
   inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
-  or both at the rate of ptq's compiled factorisation on that size (linalg.c, one thread,
-  where it runs: the size at most cholesky.compiled_rows(); above, its compiled blocks on
-  all threads where the compiled GEMM runs), whichever is faster;
+  or both at the rate of ptq's compiled factorisation on that size (linalg.c, where it
+  runs: the size at most cholesky.compiled_rows(), its Cholesky on one thread and its
+  inverse's tiles on all from compiled.INVERSE_ROWS rows; above, its compiled blocks on all
+  threads where the compiled GEMM runs), whichever is faster;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
   addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
   the faster of the float32 GEMM's rate on [in, B] @ [B, out] and ptq's compiled GEMM's,
@@ -106,7 +107,8 @@ class Rates:
 
     def factorisation(self, n: int) -> float:
         """ptq's compiled Cholesky and inverse of its factor on [n, n], as 2n³/3 FLOPs: in one
-        piece on one thread (linalg.c) up to cholesky.compiled_rows() rows, above in compiled
+        piece (linalg.c: the Cholesky on one thread, the inverse's tiles on all threads from
+        compiled.INVERSE_ROWS rows) up to cholesky.compiled_rows() rows, above in compiled
         blocks on all threads (cholesky.blocked_inverse_cholesky_, where the compiled GEMM
         runs); 0 where neither runs."""
         from ptq.algorithms import cholesky, compiled
@@ -118,7 +120,7 @@ class Rates:
         def make_whole():
             H = positive_definite()
             diag = H.diagonal().clone()
-            return lambda: compiled.inverse_cholesky(H, diag)
+            return lambda: compiled.inverse_cholesky(H, diag, threads=torch.get_num_threads())
 
         if n <= cholesky.compiled_rows():
             return self._rate(("compiled factorisation", n), 2 * n**3 / 3, make_whole)
