@@ -303,7 +303,7 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     lib = library()[0]
     H = H if H.stride(1) == 1 else H.contiguous()
     diag = diag.contiguous()
-    padded = -(-n // 32) * 32
+    padded = -(-n // 32) * 32  # n rounded up to linalg.c's BLOCK
     A = torch.empty(padded, padded, dtype=torch.float32)
     status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), diag.data_ptr(), A.data_ptr(), int(narrow))
     if status == 3:
@@ -314,8 +314,10 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     X, next_tile = torch.empty(padded, padded, dtype=torch.float32), torch.zeros(1, dtype=torch.int64)
     tiles = functools.partial(lib.ptq_inverse_tiles, A.data_ptr(), padded, X.data_ptr(), next_tile.data_ptr(),
                               int(narrow))
-    sharing = threads if padded >= INVERSE_ROWS else 1
-    cpu_parallel([tiles] * sharing, sharing)
+    if threads > 1 and padded >= INVERSE_ROWS:
+        cpu_parallel([tiles] * threads, threads)
+    else:
+        tiles()
     out = torch.empty(n, n, dtype=torch.float32)
     return out if lib.ptq_inverse_copy(X.data_ptr(), padded, n, out.data_ptr()) == 0 else None
 

@@ -100,10 +100,10 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
     Hr = _reversed_copy(H, order, dead)
-    # -> Hinv [in, in] upper, damp, failure; the threads this call may use, also from inside cpu_parallel
-    factor = functools.partial(inverse_cholesky, Hr, damp, cpu_budget())
+    threads = cpu_budget()  # read here: inside cpu_parallel below the factorisation would see 1
+    factor = functools.partial(inverse_cholesky, Hr, damp, threads)  # -> Hinv [in, in] upper, damp, failure
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
-    if on_one_thread(Hr) and cpu_budget() > 1:  # the working copy is made beside the factorisation
+    if on_one_thread(Hr) and threads > 1:  # the working copy is made beside the factorisation
         (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
     else:
         (Hinv, used_damp, reason), working = factor(), None
