@@ -402,7 +402,8 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     args.tokens = parse_tokens(args.tokens)
     args.awq_models = [m for m in args.awq_models if m in args.models]
-    args.load_models = [m for m in args.load_models if m in args.models]
+    # those of --models, else its first (a bare --load-models: no load phase)
+    args.load_models = [m for m in args.load_models if m in args.models] or args.models[:1 if args.load_models else 0]
     args.paths = prepare(args.work, args.models, args.tokens)
     llmc = [("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else []
     cases = [(name, tool, "gptq", dtype) for name in args.models for tool, dtype in [("ptq", "auto")] + llmc]
