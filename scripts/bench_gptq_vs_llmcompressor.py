@@ -47,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
@@ -289,37 +291,50 @@ def faster_llmc(results, name: str) -> tuple[str, list[dict]] | None:
     return min(found, key=lambda item: median(item[1], "wall")) if found else None
 
 
-def load_phase(args, results) -> dict[str, dict[str, tuple[float, float]]]:
-    """model -> tool -> (quiet wall, loaded wall) on each of --load-models: each loaded run
-    (a busy process on each core) right after a quiet one, so that drift in the machine hits
-    both alike."""
-    cores = len(os.sched_getaffinity(0))
-    slowdowns: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in args.load_models:
-        cases = [("ptq", "auto")]
-        llmc = faster_llmc(results, name)
-        if llmc:
-            cases.append(("llmcompressor", llmc[0]))
-        walls: dict[tuple[str, str], list[float]] = {}
-        for _ in range(args.repeats):
-            for tool, dtype in cases:
-                for load in ("quiet", "loaded"):
-                    print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
-                    timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
-                    with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
-                        result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
-                    print(f"  {json.dumps(result)}", flush=True)
-                    walls.setdefault((tool, load), []).append(result["wall"])
-        slowdowns[name] = {tool: (statistics.median(walls[(tool, "quiet")]), statistics.median(walls[(tool, "loaded")]))
-                           for tool, _ in cases}
-    print(f"\nUnder load: GPTQ, {cores} busy processes (one per core) beside it; wall seconds, medians of "
-          f"{args.repeats}")
+@dataclass
+class Slowdown:
+    """One tool's GPTQ on one model, quiet and beside a busy process per core."""
+
+    dtype: str
+    quiet: float  # median wall seconds
+    loaded: float
+
+    @property
+    def ratio(self) -> float:
+        return self.loaded / self.quiet
+
+
+def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
+    """model -> tool -> Slowdown, for each of --load-models."""
+    slowdowns = {name: loaded_runs(args, results, name) for name in args.load_models}
+    print(f"\nUnder load: GPTQ, {len(os.sched_getaffinity(0))} busy processes (one per core) beside it; "
+          f"wall seconds, medians of {args.repeats}")
     print(f"{'model':8} {'tool':14} {'dtype':10} {'quiet':>7} {'loaded':>7} {'slowdown':>9}")
     for name, tools in slowdowns.items():
-        dtypes = {"ptq": "auto"} | ({"llmcompressor": faster_llmc(results, name)[0]} if "llmcompressor" in tools else {})
-        for tool, (quiet, busy) in tools.items():
-            print(f"{name:8} {tool:14} {dtypes[tool]:10} {quiet:7.1f} {busy:7.1f} {busy / quiet:8.2f}x")
+        for tool, run in tools.items():
+            print(f"{name:8} {tool:14} {run.dtype:10} {run.quiet:7.1f} {run.loaded:7.1f} {run.ratio:8.2f}x")
     return slowdowns
+
+
+def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
+    """ptq's GPTQ and llm-compressor's (at its faster dtype) on one model: each loaded run (a
+    busy process on each core) right after a quiet one, so that drift in the machine hits
+    both alike."""
+    cases = [("ptq", "auto")]
+    llmc = faster_llmc(results, name)
+    if llmc:
+        cases.append(("llmcompressor", llmc[0]))
+    cores = len(os.sched_getaffinity(0))
+    walls: dict[tuple[str, str], list[float]] = {}
+    for _, (tool, dtype), load in itertools.product(range(args.repeats), cases, ("quiet", "loaded")):
+        print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
+        timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
+        with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
+            result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
+        print(f"  {json.dumps(result)}", flush=True)
+        walls.setdefault((tool, load), []).append(result["wall"])
+    return {tool: Slowdown(dtype, statistics.median(walls[(tool, "quiet")]), statistics.median(walls[(tool, "loaded")]))
+            for tool, dtype in cases}
 
 
 def goals(args, results, floor_ratios, slowdowns) -> None:
@@ -343,10 +358,10 @@ def goals(args, results, floor_ratios, slowdowns) -> None:
                 rows.append((f"AWQ search (loss: {shown}) <= GPTQ solves, {name}", f"{search:.2f} s vs {solves:.2f} s "
                              f"({search / solves:.2f}x)", search <= solves))
     for name, tools in slowdowns.items():
-        mine = tools["ptq"][1] / tools["ptq"][0]
+        mine = tools["ptq"].ratio
         rows.append((f"slowdown under load <= {GOALS['load']:g}x, {name}", f"{mine:.2f}x", mine <= GOALS["load"]))
         if "llmcompressor" in tools:
-            theirs = tools["llmcompressor"][1] / tools["llmcompressor"][0]
+            theirs = tools["llmcompressor"].ratio
             rows.append((f"slowdown under load <= llm-compressor's, {name}", f"{mine:.2f}x vs {theirs:.2f}x",
                          mine <= theirs))
     print("\nGoals (issue 15)")
@@ -378,8 +393,8 @@ def main() -> None:
     parser.add_argument("--awq-losses", nargs="+", default=list(AWQ_METHODS), choices=list(AWQ_METHODS),
                         help="losses of ptq's AWQ to time (module, llm-compressor's, is the slow one)")
     parser.add_argument("--awq-clip", action="store_true", help="ptq's AWQ also searches clipping ranges")
-    parser.add_argument("--load-models", nargs="*", default=["bundled", "smollm2"], choices=list(TOKENS),
-                        help="models of the load phase (of --models)")
+    parser.add_argument("--load-models", nargs="+", default=["bundled", "smollm2"], choices=list(TOKENS),
+                        help="models of the load phase (of --models; none of them: its first)")
     parser.add_argument("--load-timeout", type=float, default=10.0, help="stop a loaded run at this x its quiet time")
     parser.add_argument("--skip-load", action="store_true", help="no under-load phase")
     parser.add_argument("--no-fast-bf16", action="store_true",
@@ -402,8 +417,7 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     args.tokens = parse_tokens(args.tokens)
     args.awq_models = [m for m in args.awq_models if m in args.models]
-    # those of --models, else its first (a bare --load-models: no load phase)
-    args.load_models = [m for m in args.load_models if m in args.models] or args.models[:1 if args.load_models else 0]
+    args.load_models = [m for m in args.load_models if m in args.models] or args.models[:1]
     args.paths = prepare(args.work, args.models, args.tokens)
     llmc = [("llmcompressor", d) for d in args.llmc_dtypes] if args.llmc_python else []
     cases = [(name, tool, "gptq", dtype) for name in args.models for tool, dtype in [("ptq", "auto")] + llmc]
