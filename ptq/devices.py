@@ -275,12 +275,94 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
     return in_flight, threads // in_flight
 
 
+class _Stream:
+    """Tasks started in order by whichever thread is free, at most `ahead` of them from the
+    one the caller waits for on (started and not yet handed back); their results handed
+    back in order. After a failure no further task starts."""
+
+    def __init__(self, tasks: list[Callable], ahead: int):
+        self.tasks, self.ahead = tasks, ahead
+        self.results: dict[int, tuple[bool, object]] = {}  # index -> (ok, result or error)
+        self.started = self.finished = self.waited_on = self.helpers = 0
+        self.stopped = False
+        self.changed = threading.Condition()
+
+    def _take(self) -> int | None:
+        """The index of the next task to run, or None where none may start now (under the lock)."""
+        if self.stopped or self.started == len(self.tasks) or self.started >= self.waited_on + self.ahead:
+            return None
+        self.started += 1
+        return self.started - 1
+
+    def _run(self, index: int) -> None:
+        try:
+            outcome = True, self.tasks[index]()
+        except BaseException as e:  # handed to the caller, which raises it in the task's turn
+            outcome = False, e
+        with self.changed:
+            self.results[index] = outcome
+            self.finished += 1
+            self.stopped |= not outcome[0]
+            self.changed.notify_all()
+
+    def help(self) -> None:
+        """A pool thread's share: tasks until none may start, then back to the pool (free for
+        a cpu_parallel of the caller's, which meanwhile works on the results)."""
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        while True:
+            with self.changed:
+                index = self._take()
+                if index is None:
+                    self.helpers -= 1
+                    return
+            self._run(index)
+
+    def in_order(self, threads: int) -> Iterator:
+        """The results in order; the calling thread runs tasks too while its next result is
+        not in, beside up to threads - 1 pool threads."""
+        pool = _pool(threads - 1)
+        try:
+            for index in range(len(self.tasks)):
+                while True:
+                    with self.changed:
+                        self.waited_on = index
+                        if index in self.results:
+                            ok, value = self.results.pop(index)
+                            break
+                        while self.helpers < threads - 1 and self.started < min(len(self.tasks), index + self.ahead):
+                            self.helpers += 1
+                            pool.submit(self.help)
+                        mine = self._take()
+                        if mine is None:  # the task waited on runs on a pool thread
+                            self.changed.wait_for(lambda: index in self.results)
+                            continue
+                    with _budget(1):
+                        self._run(mine)
+                if not ok:
+                    raise value
+                yield value
+        finally:  # also when the caller stops early: nothing runs on after this returns
+            with self.changed:
+                self.stopped = True
+                self.changed.wait_for(lambda: self.finished == self.started)
+
+
 def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
-                     waves: bool = False) -> Iterator[R]:
+                     bounded: bool = False) -> Iterator[R]:
     """function(item) for each item, in order, side by side on a CPU (side_by_side), each
-    call under torch.no_grad (grad mode is per thread). All at once, or with `waves` a
-    wave of calls (one per thread in flight) at a time, which bounds what waits in memory;
-    elsewhere one call after another, each result yielded as it comes."""
+    call under torch.no_grad (grad mode is per thread); elsewhere one call after another,
+    each result yielded as it comes.
+
+    All at once, or `bounded`: no more calls ahead of the result the caller takes next
+    than passes in flight, which bounds what waits in memory. With one torch thread a pass
+    (up to MAX_IN_FLIGHT cores) such a map streams (_Stream): a thread that is free takes
+    the next call, while the caller works on the results in order, its own torch ops on one
+    thread as the passes' (torch's count is process-wide; ptq's own threads keep the
+    budget). No call then waits for a partner's at a join, which on a busy CPU holds up
+    every thread whenever one is descheduled. With more threads a pass, calls run a wave at
+    a time: the caller's work between results (cpu_parallel's tasks run on one thread)
+    would change the passes' thread count, and with it their sums, while they run."""
     shared = side_by_side(len(items), device)
     if shared is None:
         on_cpu = torch.device(device).type == "cpu"
@@ -295,7 +377,12 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
         with torch.no_grad():
             return function(item)
 
-    step = in_flight if waves else max(1, len(items))
-    for start in range(0, len(items), step):
-        yield from cpu_parallel([functools.partial(task, item) for item in items[start:start + step]],
-                                in_flight, threads_each)
+    calls = [functools.partial(task, item) for item in items]
+    if bounded and threads_each == 1:
+        budget = cpu_budget()
+        with cpu_threads(1), _budget(budget):
+            yield from _Stream(calls, in_flight).in_order(in_flight)
+        return
+    step = in_flight if bounded else len(calls)
+    for start in range(0, len(calls), step):
+        yield from cpu_parallel(calls[start:start + step], in_flight, threads_each)

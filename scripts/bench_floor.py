@@ -195,7 +195,7 @@ def transformers_forward(path, ids: torch.Tensor, repeats: int = 2) -> float:
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in map_side_by_side(lambda batch: decoder(input_ids=batch, use_cache=False), batches, "cpu",
-                                      waves=True):
+                                      bounded=True):
                 pass
             best = min(best, time.perf_counter() - start)
     return best

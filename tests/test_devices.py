@@ -171,6 +171,66 @@ def test_cpu_parallel_inside_a_task_does_not_wait_on_the_busy_pool():
     assert cpu_parallel([lambda i=i: outer(i) for i in range(4)], threads=2) == [6 * i for i in range(4)]
 
 
+def _bounded_map(function, count):
+    """map_side_by_side(function, range(count), bounded) on two threads, with what each call
+    saw: (the item, torch's thread count, its budget, how many calls had started and the
+    caller had taken)."""
+    import threading
+
+    lock, started, taken = threading.Lock(), [0], [0]
+
+    def call(i):
+        with lock:
+            started[0] += 1
+            seen = (i, torch.get_num_threads(), cpu_budget(), started[0], taken[0])
+        function(i)
+        return seen
+
+    with cpu_threads(2):
+        for seen in map_side_by_side(call, range(count), "cpu", bounded=True):
+            taken[0] += 1
+            yield seen, (torch.get_num_threads(), cpu_budget())
+        assert (torch.get_num_threads(), cpu_budget()) == (2, 2)  # restored once the map is done
+
+
+def test_a_bounded_map_streams_in_order_no_more_calls_ahead_than_threads():
+    import time
+
+    seen = list(_bounded_map(lambda i: time.sleep(0.002 * (i % 3)), 12))  # uneven: threads take what comes
+    assert [s[0][0] for s in seen] == list(range(12))
+    assert all(started - taken <= 2 for (_i, _t, _b, started, taken), _ in seen)  # a wave's worth waits at most
+    assert {(threads, budget) for (_i, threads, budget, _s, _t), _ in seen} == {(1, 1)}  # each call: one thread
+    # the caller's own work between results: torch ops on one thread as the calls', ptq's threads kept
+    assert {caller for _, caller in seen} == {(1, 2)}
+
+
+def test_a_bounded_map_raises_a_failure_in_its_turn_and_leaves_nothing_running():
+    import threading
+    import time
+
+    lock, running, results = threading.Lock(), [0], []
+
+    def call(i):
+        if i == 3:
+            raise ValueError("call 3")
+        with lock:
+            running[0] += 1
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+
+    with pytest.raises(ValueError, match="call 3"):
+        for seen, _ in _bounded_map(call, 40):
+            results.append(seen[0])
+    assert results == [0, 1, 2]  # everything before the failure, in order; nothing after it
+    assert running[0] == 0  # no call still runs once the map has raised
+
+    stream = _bounded_map(call, 40)
+    next(stream)
+    stream.close()  # a caller that stops early: the calls in flight finish before close returns
+    assert running[0] == 0
+
+
 # Results do not depend on the CPU thread count (issue "reruns differ": 1 vs 2 threads gave
 # 10% different int4 codes). Each check runs the same work at several thread counts.
 

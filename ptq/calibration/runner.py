@@ -291,14 +291,15 @@ class BlockRun:
         """function(index, args, kwargs) of every batch, in order.
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
-        own thread with an equal share of torch's threads), a wave at a time (one per thread
-        in flight), which bounds what waits in memory."""
+        own thread with an equal share of torch's threads), no more of them ahead of the
+        result taken next than threads in flight, which bounds what waits in memory
+        (devices.map_side_by_side, bounded)."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
-                                waves=True)
+                                bounded=True)
 
     def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
         """[function(item) for item in items], side by side on a CPU as map_batches runs
-        batches (all results are kept, so no waves): e.g. a quantized Linear's outputs on
+        batches (all results are kept, so all at once): e.g. a quantized Linear's outputs on
         every recorded input, each a GEMM on one thread instead of one GEMM after another,
         each on all threads and joined after every call."""
         return list(map_side_by_side(function, items, self.device))
