@@ -151,6 +151,27 @@ class Rates:
             return lambda: cpu_parallel(tasks, len(tasks))
         return self._rate(("compiled gemm", m, k, n), 2 * m * k * n, make)
 
+    def quadratic_form(self, rows: int, n: int) -> float:
+        """ptq's compiled Σ_r d_r G d_rᵀ (compiled.QuadraticForm: the linear loss of one AWQ
+        candidate, D [rows, n] bf16) as AWQ's search runs it: one candidate per thread, all
+        threads side by side, as rows·n·(n + 32) FLOPs each (the 32 x 32 blocks of G on and
+        above the diagonal); 0 where it does not run (no AMX or AVX512-BF16, or a size not a
+        multiple of 32)."""
+        from ptq.algorithms import compiled
+        from ptq.devices import cpu_parallel
+
+        threads = torch.get_num_threads()
+        if compiled.gram_kernel() is None or rows % 32 or n % 32:
+            return 0.0
+
+        def make():
+            x = torch.randn(2 * n, n)
+            form = compiled.QuadraticForm(x.t() @ x / n)
+            D = [torch.randn(rows, n).to(torch.bfloat16) for _ in range(threads)]
+            tasks = [functools.partial(form.of, d) for d in D]
+            return lambda: cpu_parallel(tasks, threads)
+        return self._rate(("quadratic form", rows, n), threads * rows * n * (n + 32), make)
+
     def rank1(self, out: int, block: int = BLOCK) -> float:
         """addr_ on block / 2 rows of [out]: the column loop's update inside a block, on average."""
         def make():
@@ -170,6 +191,11 @@ class Floor:
     @property
     def seconds(self) -> float:
         return self.forward + self.hessians + self.factorisation + self.loop
+
+    @property
+    def solves(self) -> float:
+        """Seconds of GPTQ's solves alone: the factorisations and the column loops."""
+        return self.factorisation + self.loop
 
     def parts(self) -> str:
         return (f"forward {self.forward:.2f} + Hessians {self.hessians:.2f} + Cholesky and inverse "
@@ -245,9 +271,8 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
 
     hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones
     flops += 2 * tokens * layers * (3 * hessian_macs(h, tiles(h)) + hessian_macs(i, tiles(i)))
-    weights = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of each solve
     factorisation = loop = 0.0
-    for out, n in weights:
+    for out, n in solved_weights(config):
         lapack = n**3 / 3 / rates.cholesky(n) + n**3 / 3 / rates.triangular_inverse(n)
         compiled_rate = rates.factorisation(n) if compiled_solves else 0.0
         factorisation += layers * (min(lapack, 2 * n**3 / 3 / compiled_rate) if compiled_rate else lapack)
@@ -257,3 +282,40 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
         loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / lazy_rate)
         flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
     return Floor(forward / 1e9, hessians / 1e9, factorisation / 1e9, loop / 1e9, flops / 1e12)
+
+
+def solved_weights(config) -> list[tuple[int, int]]:
+    """[out, in] of each weight GPTQ solves in a block: q/k/v stacked, o, gate/up stacked, down."""
+    h, i = config.hidden_size, config.intermediate_size
+    head = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def awq_balanced_weights(config) -> list[tuple[int, int]]:
+    """[out, in] of the balance Linears of each of a Llama block's AWQ smoothing mappings,
+    stacked (ptq/arch.py's table): q/k/v, gate/up, down; o too without grouped-query
+    attention (v_proj's outputs are then o_proj's inputs)."""
+    (qkv, h), (_, q), gate_up, down = solved_weights(config)
+    return [(qkv, h), gate_up, down] + ([(h, q)] if config.num_key_value_heads == config.num_attention_heads else [])
+
+
+@dataclass
+class SearchFloor:
+    seconds: float
+    tflop: float
+
+
+def awq_search_floor(config, rates: Rates, n_grid: int = 20) -> SearchFloor:
+    """The least time of ptq's AWQ search with the linear loss (the default): for each
+    mapping, 1 + n_grid candidates (s = 1 and the grid), each ΔW G ΔWᵀ over the stacked
+    balance weights, at the rate of ptq's compiled quadratic form on that shape (half a
+    GEMM's multiply-adds: G is symmetric), or of a float32 GEMM where that does not run.
+    The candidates' weights (a rounding of W·diag(s) each) come on top."""
+    seconds = flop_total = 0.0
+    for out, n in awq_balanced_weights(config):
+        rate = rates.quadratic_form(out, n)
+        flops = config.num_hidden_layers * (1 + n_grid) * (out * n * (n + 32) if rate else 2 * out * n * n)
+        seconds += flops / (rate or rates.gemm(out, n, n, torch.float32)) / 1e9
+        flop_total += flops
+    return SearchFloor(seconds, flop_total / 1e12)

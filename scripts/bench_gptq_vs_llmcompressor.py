@@ -60,7 +60,7 @@ from pathlib import Path
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
-from bench_floor import Rates, floor_of, transformers_forward
+from bench_floor import Rates, awq_search_floor, floor_of, transformers_forward
 from bench_under_load import busy_cores
 from ptq.malloc import keep_freed_memory
 
@@ -280,6 +280,14 @@ def floor_table(args, results) -> dict[str, float]:
         print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
               f"{plain:.2f} s, {plain / floor.forward:.1f}x the floor's forward; with it in place of the "
               f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
+        if (name, "ptq", "awq-linear", "auto") in results:
+            search = awq_search_floor(config, rates)
+            measured = median(results[(name, "ptq", "awq-linear", "auto")], "awq")
+            solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
+            print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP (21 candidates' ΔW G ΔWᵀ) = "
+                  f"{search.seconds:.2f} s at least, measured {measured:.2f} s ({measured / search.seconds:.2f}x); "
+                  f"GPTQ solves: {floor.solves:.2f} s at least, measured {solves:.2f} s: the search's floor is "
+                  f"{search.seconds / solves:.2f}x the solves' measured time")
     print("rates measured, GFLOP/s: " + ", ".join(f"{k[0]}{list(k[1:])} {v:.0f}" for k, v in rates.cache.items()))
     return ratios
 
