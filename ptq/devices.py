@@ -276,9 +276,9 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
 
 
 class _Stream:
-    """Tasks started in order by whichever thread is free, at most `ahead` of them from the
-    one the caller waits for on (started and not yet handed back); their results handed
-    back in order. After a failure no further task starts."""
+    """Tasks started in order by whichever thread is free, none more than `ahead` - 1 past
+    the one whose result the caller waits for; their results handed back in order. After a
+    failure no further task starts."""
 
     def __init__(self, tasks: list[Callable], ahead: int):
         self.tasks, self.ahead = tasks, ahead
@@ -287,9 +287,13 @@ class _Stream:
         self.stopped = False
         self.changed = threading.Condition()
 
+    def _startable(self) -> bool:
+        """Whether the next task may start now (under the lock)."""
+        return not self.stopped and self.started < min(len(self.tasks), self.waited_on + self.ahead)
+
     def _take(self) -> int | None:
         """The index of the next task to run, or None where none may start now (under the lock)."""
-        if self.stopped or self.started == len(self.tasks) or self.started >= self.waited_on + self.ahead:
+        if not self._startable():
             return None
         self.started += 1
         return self.started - 1
@@ -330,7 +334,7 @@ class _Stream:
                         if index in self.results:
                             ok, value = self.results.pop(index)
                             break
-                        while self.helpers < threads - 1 and self.started < min(len(self.tasks), index + self.ahead):
+                        while self.helpers < threads - 1 and self._startable():
                             self.helpers += 1
                             pool.submit(self.help)
                         mine = self._take()
