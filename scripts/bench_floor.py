@@ -187,6 +187,7 @@ class Floor:
     factorisation: float  # Cholesky and the inverse of its factor
     loop: float
     tflop: float  # all parts
+    solves_tflop: float  # the factorisations and column loops alone
 
     @property
     def seconds(self) -> float:
@@ -271,7 +272,7 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
 
     hessians = layers * (3 * hessian_seconds(h) + hessian_seconds(i))  # qkv, o, gate/up share h-sized ones
     flops += 2 * tokens * layers * (3 * hessian_macs(h, tiles(h)) + hessian_macs(i, tiles(i)))
-    factorisation = loop = 0.0
+    factorisation = loop = solve_flops = 0.0
     for out, n in solved_weights(config):
         lapack = n**3 / 3 / rates.cholesky(n) + n**3 / 3 / rates.triangular_inverse(n)
         compiled_rate = rates.factorisation(n) if compiled_solves else 0.0
@@ -280,8 +281,9 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
         if compiled_solves:
             lazy_rate = max(lazy_rate, rates.compiled_gemm(n, BLOCK, out))
         loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / lazy_rate)
-        flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
-    return Floor(forward / 1e9, hessians / 1e9, factorisation / 1e9, loop / 1e9, flops / 1e12)
+        solve_flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
+    return Floor(forward / 1e9, hessians / 1e9, factorisation / 1e9, loop / 1e9, (flops + solve_flops) / 1e12,
+                 solve_flops / 1e12)
 
 
 def solved_weights(config) -> list[tuple[int, int]]:

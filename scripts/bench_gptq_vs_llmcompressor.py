@@ -76,6 +76,7 @@ TOKENS = {"bundled": (32, 512), "random": (32, 512), "smollm2": (32, 256)}
 GROUP_SIZE = {"bundled": 128, "random": 128, "smollm2": 64}  # 128 does not divide SmolLM2's 576
 NO_FAST_BF16 = "PTQ_BENCH_NO_FAST_BF16"  # set in a worker's environment by --no-fast-bf16
 GOALS = {"speed": 3.0, "floor": 1.5, "load": 2.5}  # issue 15's targets
+AWQ_GRID = 20  # AWQ's grid points: with s = 1, 21 candidates per mapping
 AWQ_METHODS = {"module": "awq", "linear": "awq-linear"}  # ptq's AWQ loss -> the worker's method
 
 
@@ -128,7 +129,8 @@ def ptq_recipe(method: str, samples: int, seq_len: int, group_size: int, options
         steps = [{"gptq": gptq}]
     else:  # "awq" (loss: module, as llm-compressor) or "awq-linear" (loss: linear)
         loss = "linear" if method == "awq-linear" else "module"
-        steps = [{"awq": {"n_grid": 20, "duo_scaling": True, "clip": bool(options.get("awq_clip")), "loss": loss}},
+        awq = {"n_grid": AWQ_GRID, "duo_scaling": True, "clip": bool(options.get("awq_clip")), "loss": loss}
+        steps = [{"awq": awq},
                  {"rtn": {"scheme": scheme, "targets": ["Linear"], "ignore": ["lm_head"]}}]
     return parse_recipe({"calibration": calibration, "steps": steps})
 
@@ -239,7 +241,7 @@ def gptq_table(args, results) -> None:
 
 def awq_table(args, results) -> None:
     clip = "with ptq's clipping search" if args.awq_clip else "no clipping"
-    print(f"\nAWQ W4A16 (grid 20, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
+    print(f"\nAWQ W4A16 (grid {AWQ_GRID}, duo scaling, {clip}; then round to nearest) beside ptq's GPTQ")
     print("(AWQ search: the grid's losses and applying the scales; AWQ statistics: the pass through each block "
           "that collects mean |x|, the Gram matrices or the inspected inputs, as GPTQ's Hessian pass)")
     print(f"{'model':8} {'tool':20} {'dtype':15} {'wall s':>7} {'AWQ stats':>9} {'AWQ search':>10} "
@@ -281,12 +283,13 @@ def floor_table(args, results) -> dict[str, float]:
               f"{plain:.2f} s, {plain / floor.forward:.1f}x the floor's forward; with it in place of the "
               f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
         if (name, "ptq", "awq-linear", "auto") in results:
-            search = awq_search_floor(config, rates)
+            search = awq_search_floor(config, rates, AWQ_GRID)
             measured = median(results[(name, "ptq", "awq-linear", "auto")], "awq")
             solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
-            print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP (21 candidates' ΔW G ΔWᵀ) = "
-                  f"{search.seconds:.2f} s at least, measured {measured:.2f} s ({measured / search.seconds:.2f}x); "
-                  f"GPTQ solves: {floor.solves:.2f} s at least, measured {solves:.2f} s: the search's floor is "
+            print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP ({AWQ_GRID + 1} candidates' "
+                  f"ΔW G ΔWᵀ) = {search.seconds:.2f} s at least, measured {measured:.2f} s "
+                  f"({measured / search.seconds:.2f}x); GPTQ solves: {floor.solves_tflop:.3f} TFLOP, "
+                  f"{floor.solves:.2f} s at least, measured {solves:.2f} s: the search's floor is "
                   f"{search.seconds / solves:.2f}x the solves' measured time")
     print("rates measured, GFLOP/s: " + ", ".join(f"{k[0]}{list(k[1:])} {v:.0f}" for k, v in rates.cache.items()))
     return ratios
