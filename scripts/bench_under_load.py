@@ -50,10 +50,20 @@ TORCH_FIRST = "import torch, sys; from ptq.cli import main; sys.exit(main(sys.ar
 WAIT_VARIABLES = (*ptq.openmp.WAIT_VARIABLES, "OMP_NUM_THREADS")  # each setting forces its own
 
 
+BUSY = """import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # reparented once the parent is gone
+    for _ in range(100_000):
+        pass
+"""
+
+
 @contextlib.contextmanager
 def busy_cores(n: int) -> Iterator[None]:
-    """n processes that each keep a core busy, for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """n processes that each keep a core busy, for the duration of the block. Each also
+    stops within milliseconds of this process's end, however it ends (a kill skips the
+    block's cleanup): it spins only while its parent is this process."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(n)]
     time.sleep(0.5)  # let them reach the scheduler's steady state
     try:
         yield
