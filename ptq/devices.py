@@ -191,98 +191,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ptq-cpu")
 
 
-class _Shared:
-    """Tasks handed out one at a time to whichever thread asks next (the caller's among
-    them), their results in order; after a failure no further task starts."""
+class _Tasks:
+    """Tasks started in order by whichever thread asks next (the caller's among them), none
+    more than `ahead` - 1 past the one whose result the caller waits for (all at once by
+    default); after a failure no further task starts. The caller takes the results all
+    together (all) or one by one in order (in_order)."""
 
-    def __init__(self, tasks: list[Callable], threads_per_task: int):
+    def __init__(self, tasks: list[Callable], threads_per_task: int = 1, ahead: int | None = None):
         self.tasks, self.threads_per_task = tasks, threads_per_task
-        self.results: list = [None] * len(tasks)
-        self.errors: dict[int, BaseException] = {}
-        self.started = self.finished = 0
-        self.changed = threading.Condition()
-
-    def work(self) -> None:
-        """Run tasks until none is left to start."""
-        if torch.get_num_threads() != self.threads_per_task:  # a pool thread keeps the count it last set
-            torch.set_num_threads(self.threads_per_task)
-        while True:
-            with self.changed:
-                if self.started == len(self.tasks) or self.errors:
-                    return
-                index = self.started
-                self.started += 1
-            error = None
-            try:
-                self.results[index] = self.tasks[index]()
-            except BaseException as e:  # handed to the caller, which raises it
-                error = e
-            with self.changed:
-                if error is not None:
-                    self.errors[index] = error
-                self.finished += 1
-                self.changed.notify_all()
-
-    def wait(self) -> list:
-        """The results, once every task that started has finished; the first failed task's
-        error (in task order) instead, if any failed."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.finished == self.started)
-        if self.errors:
-            raise self.errors[min(self.errors)]
-        return self.results
-
-
-def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1) -> list:
-    """Run independent tasks on `threads` Python threads, each task's torch ops on
-    threads_per_task OpenMP threads (one by default); their results in order.
-
-    For work split into pieces whose bits must not depend on the thread count (each piece
-    computed by single-threaded ops), and that on a busy CPU should not wait on each
-    other: a thread that is descheduled holds up only its own piece, while the others take
-    the next ones. torch ops and ctypes calls let go of the GIL, so the threads run at once.
-
-    The calling thread takes tasks too, beside threads - 1 pool threads: a call waits for
-    one thread's wake-up fewer (tenths of a millisecond on a VM's idle core, against tasks
-    of a few: the Hessians' tile sums, GPTQ's row slices, the blocked Cholesky). A pool
-    thread that starts after the tasks are all taken returns at once, so a task may call
-    cpu_parallel again without waiting on the pool.
-    """
-    with cpu_threads(threads_per_task):
-        if threads <= 1 or len(tasks) <= 1:
-            return [task() for task in tasks]
-        shared, pool = _Shared(tasks, threads_per_task), _pool(threads - 1)
-        for _ in range(min(threads, len(tasks)) - 1):
-            pool.submit(shared.work)
-        shared.work()
-        return shared.wait()
-
-
-MAX_IN_FLIGHT = 8  # on a CPU, forward passes run side by side at most (side_by_side)
-
-
-def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | None:
-    """How `count` independent forward passes on `device` share the CPU: (passes in flight,
-    torch threads each), or None where they run in turn (one thread, one pass, or not on a
-    CPU). Up to MAX_IN_FLIGHT run at once, each on its own thread with an equal share of
-    torch's threads (one each on up to 8 cores): no op then waits for a partner thread at a
-    barrier (on a busy CPU a descheduled thread holds up only its own pass), and there no
-    op splits a sum by the thread count."""
-    threads = cpu_budget()
-    if threads <= 1 or count <= 1 or torch.device(device).type != "cpu":
-        return None
-    in_flight = min(threads, MAX_IN_FLIGHT)
-    return in_flight, threads // in_flight
-
-
-class _Stream:
-    """Tasks started in order by whichever thread is free, none more than `ahead` - 1 past
-    the one whose result the caller waits for; their results handed back in order. After a
-    failure no further task starts."""
-
-    def __init__(self, tasks: list[Callable], ahead: int):
-        self.tasks, self.ahead = tasks, ahead
-        self.results: dict[int, tuple[bool, object]] = {}  # index -> (ok, result or error)
+        self.ahead = len(tasks) if ahead is None else ahead
+        self.outcomes: dict[int, tuple[bool, object]] = {}  # index -> (ok, result or error)
         self.started = self.finished = self.waited_on = self.helpers = 0
         self.stopped = False
         self.changed = threading.Condition()
@@ -304,52 +222,111 @@ class _Stream:
         except BaseException as e:  # handed to the caller, which raises it in the task's turn
             outcome = False, e
         with self.changed:
-            self.results[index] = outcome
+            self.outcomes[index] = outcome
             self.finished += 1
             self.stopped |= not outcome[0]
             self.changed.notify_all()
 
-    def help(self) -> None:
-        """A pool thread's share: tasks until none may start, then back to the pool (free for
-        a cpu_parallel of the caller's, which meanwhile works on the results)."""
-        if torch.get_num_threads() != 1:
-            torch.set_num_threads(1)
+    def _call_helpers(self, threads: int) -> None:
+        """Up to threads - 1 pool threads (no more than tasks but one) working on the tasks
+        that may start (under the lock)."""
+        pool = _pool(threads - 1)
+        while self.helpers < min(threads, len(self.tasks)) - 1 and self._startable():
+            self.helpers += 1
+            pool.submit(self.work)
+
+    def work(self, helper: bool = True) -> None:
+        """Run tasks until none may start; a pool thread (helper) then goes back to the pool,
+        free for other work (a cpu_parallel of the caller's, which meanwhile takes results)."""
+        if torch.get_num_threads() != self.threads_per_task:  # a pool thread keeps the count it last set
+            torch.set_num_threads(self.threads_per_task)
         while True:
             with self.changed:
                 index = self._take()
                 if index is None:
-                    self.helpers -= 1
+                    self.helpers -= helper
                     return
             self._run(index)
 
+    def all(self, threads: int) -> list:
+        """The results in order, the tasks run on this thread and up to threads - 1 pool
+        threads, once every task that started has finished; the first failed task's error
+        (in task order) instead, if any failed."""
+        with self.changed:
+            self._call_helpers(threads)
+        self.work(helper=False)
+        with self.changed:
+            self.changed.wait_for(lambda: self.finished == self.started)
+        failed = [i for i, (ok, _) in self.outcomes.items() if not ok]
+        if failed:
+            raise self.outcomes[min(failed)][1]
+        return [self.outcomes[i][1] for i in range(len(self.tasks))]
+
     def in_order(self, threads: int) -> Iterator:
-        """The results in order; the calling thread runs tasks too while its next result is
-        not in, beside up to threads - 1 pool threads."""
-        pool = _pool(threads - 1)
+        """The results one by one in order, each as soon as it is in; this thread runs tasks
+        too while its next result is not, beside up to threads - 1 pool threads. A failure is
+        raised in its task's turn; when the caller stops early, the tasks that started finish
+        first."""
         try:
             for index in range(len(self.tasks)):
                 while True:
                     with self.changed:
                         self.waited_on = index
-                        if index in self.results:
-                            ok, value = self.results.pop(index)
+                        if index in self.outcomes:
+                            ok, value = self.outcomes.pop(index)
                             break
-                        while self.helpers < threads - 1 and self._startable():
-                            self.helpers += 1
-                            pool.submit(self.help)
+                        self._call_helpers(threads)
                         mine = self._take()
                         if mine is None:  # the task waited on runs on a pool thread
-                            self.changed.wait_for(lambda: index in self.results)
+                            self.changed.wait_for(lambda: index in self.outcomes)
                             continue
-                    with _budget(1):
+                    with _budget(self.threads_per_task):
                         self._run(mine)
                 if not ok:
                     raise value
                 yield value
-        finally:  # also when the caller stops early: nothing runs on after this returns
+        finally:  # nothing runs on after this returns
             with self.changed:
                 self.stopped = True
                 self.changed.wait_for(lambda: self.finished == self.started)
+
+
+def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1) -> list:
+    """Run independent tasks on `threads` Python threads, each task's torch ops on
+    threads_per_task OpenMP threads (one by default); their results in order.
+
+    For work split into pieces whose bits must not depend on the thread count (each piece
+    computed by single-threaded ops), and that on a busy CPU should not wait on each
+    other: a thread that is descheduled holds up only its own piece, while the others take
+    the next ones. torch ops and ctypes calls let go of the GIL, so the threads run at once.
+
+    The calling thread takes tasks too, beside threads - 1 pool threads: a call waits for
+    one thread's wake-up fewer (tenths of a millisecond on a VM's idle core, against tasks
+    of a few: the Hessians' tile sums, GPTQ's row slices, the blocked Cholesky). A pool
+    thread that starts after the tasks are all taken returns at once, so a task may call
+    cpu_parallel again without waiting on the pool.
+    """
+    with cpu_threads(threads_per_task):
+        if threads <= 1 or len(tasks) <= 1:
+            return [task() for task in tasks]
+        return _Tasks(tasks, threads_per_task).all(threads)
+
+
+MAX_IN_FLIGHT = 8  # on a CPU, forward passes run side by side at most (side_by_side)
+
+
+def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | None:
+    """How `count` independent forward passes on `device` share the CPU: (passes in flight,
+    torch threads each), or None where they run in turn (one thread, one pass, or not on a
+    CPU). Up to MAX_IN_FLIGHT run at once, each on its own thread with an equal share of
+    torch's threads (one each on up to 8 cores): no op then waits for a partner thread at a
+    barrier (on a busy CPU a descheduled thread holds up only its own pass), and there no
+    op splits a sum by the thread count."""
+    threads = cpu_budget()
+    if threads <= 1 or count <= 1 or torch.device(device).type != "cpu":
+        return None
+    in_flight = min(threads, MAX_IN_FLIGHT)
+    return in_flight, threads // in_flight
 
 
 def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
@@ -360,7 +337,7 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
 
     All at once, or `bounded`: no more calls ahead of the result the caller takes next
     than passes in flight, which bounds what waits in memory. With one torch thread a pass
-    (up to MAX_IN_FLIGHT cores) such a map streams (_Stream): a thread that is free takes
+    (up to MAX_IN_FLIGHT cores) such a map streams (_Tasks.in_order): a thread that is free takes
     the next call, while the caller works on the results in order, its own torch ops on one
     thread as the passes' (torch's count is process-wide; ptq's own threads keep the
     budget). No call then waits for a partner's at a join, which on a busy CPU holds up
@@ -383,9 +360,8 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
 
     calls = [functools.partial(task, item) for item in items]
     if bounded and threads_each == 1:
-        budget = cpu_budget()
-        with cpu_threads(1), _budget(budget):
-            yield from _Stream(calls, in_flight).in_order(in_flight)
+        with torch_ops_on_one_thread():  # the caller's ops too, as the calls'
+            yield from _Tasks(calls, ahead=in_flight).in_order(in_flight)
         return
     step = in_flight if bounded else len(calls)
     for start in range(0, len(calls), step):

@@ -37,6 +37,7 @@ thread as ptq does for reproducibility: it is the machine's best).
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable
@@ -295,11 +296,18 @@ def solved_weights(config) -> list[tuple[int, int]]:
 
 
 def awq_balanced_weights(config) -> list[tuple[int, int]]:
-    """[out, in] of the balance Linears of each of a Llama block's AWQ smoothing mappings,
-    stacked (ptq/arch.py's table): q/k/v, gate/up, down; o too without grouped-query
-    attention (v_proj's outputs are then o_proj's inputs)."""
-    (qkv, h), (_, q), gate_up, down = solved_weights(config)
-    return [(qkv, h), gate_up, down] + ([(h, q)] if config.num_key_value_heads == config.num_attention_heads else [])
+    """[out, in] of the stacked balance Linears of each AWQ smoothing mapping ptq uses in a
+    block of this config's model (ptq.arch.block_mappings on a one-block copy, randomly
+    initialised: the norms' fold check probes real values)."""
+    import transformers
+
+    from ptq.arch import block_mappings, find_blocks
+
+    one_block = copy.deepcopy(config)
+    one_block.num_hidden_layers = 1
+    model = transformers.AutoModelForCausalLM.from_config(one_block)
+    mappings, _ = block_mappings(model, find_blocks(model)[1][0])
+    return [(sum(linear.out_features for linear in m.balance), m.channels) for m in mappings]
 
 
 @dataclass
