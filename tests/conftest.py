@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,17 @@ import transformers  # noqa: E402
 from ptq.models import bundled_model_path  # noqa: E402
 
 VOCAB = 4096  # the bundled tokenizer's vocabulary, so random models can read real text
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _in_repository_root():
+    """Tests name the bundled recipes by their paths in the repository (recipes/w4a16-rtn.yaml,
+    as the README does): run them from its root whatever directory pytest was started in."""
+    before = os.getcwd()
+    os.chdir(REPO)
+    yield
+    os.chdir(before)
 
 
 def tiny_config(family: str) -> transformers.PretrainedConfig:
