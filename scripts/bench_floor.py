@@ -173,6 +173,38 @@ class Rates:
             return lambda: cpu_parallel(tasks, threads)
         return self._rate(("quadratic form", rows, n), threads * rows * n * (n + 32), make)
 
+    def compiled_block(self, out: int, block: int = BLOCK) -> float:
+        """ptq's compiled column loop (gptq_compiled.BlockLoop: gptq_loop.c) over one block of
+        `block` columns of a weight of `out` rows, the rows split over torch's threads as in a
+        solve, as out·block² FLOPs (the updates inside the block, as rank1 counts them); its
+        time includes each column's rounding (a min-max range per group of `block` columns),
+        work the job needs that the floor otherwise leaves out. 0 where the compiled loop does
+        not run (torch's loop there: addr's rate is its rate)."""
+        from ptq.algorithms import compiled
+        from ptq.algorithms.gptq_compiled import BlockLoop
+        from ptq.schemes import QuantArgs
+
+        if compiled.unavailable():
+            return 0.0
+        key = ("compiled block", out, block)
+        if key not in self.cache:
+            x = torch.randn(block, 2 * block)
+            L = torch.linalg.cholesky(torch.linalg.inv(x @ x.t() / block + torch.eye(block)))
+            Hinv = L.t().contiguous()  # [block, block] upper, as GPTQ's
+            W = torch.randn(block, out) * 0.05  # [block, out]: the working weight, transposed
+            Wt, E, Qt = torch.empty_like(W), torch.empty(block, out), torch.empty(block, out, dtype=torch.int8)
+            scale = torch.empty(1, out)  # [groups, out]: held here, the loop keeps only its address
+            args = QuantArgs(num_bits=4, strategy="group", group_size=block)
+            positions = torch.arange(block)
+            first = torch.full((block,), -1, dtype=torch.long)
+            first[0] = 0
+            loop = BlockLoop(Wt, Hinv, E, Qt, torch.zeros(block, dtype=torch.long), first, positions.view(1, -1),
+                             torch.ones(block), scale, None, args, torch.bfloat16, "minmax",
+                             torch.get_num_threads())
+            both = best_seconds(lambda: (Wt.copy_(W), loop.solve(block)))  # it consumes its weight
+            self.cache[key] = out * block * block / max(both - best_seconds(lambda: Wt.copy_(W)), 1e-9) / 1e9
+        return self.cache[key]
+
     def rank1(self, out: int, block: int = BLOCK) -> float:
         """addr_ on block / 2 rows of [out]: the column loop's update inside a block, on average."""
         def make():
@@ -281,7 +313,10 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
         lazy_rate = rates.gemm(n, BLOCK, out, torch.float32)
         if compiled_solves:
             lazy_rate = max(lazy_rate, rates.compiled_gemm(n, BLOCK, out))
-        loop += layers * (out * n * BLOCK / rates.rank1(out) + out * n * n / lazy_rate)
+        rank1_rate = rates.rank1(out)
+        if compiled_solves:
+            rank1_rate = max(rank1_rate, rates.compiled_block(out))
+        loop += layers * (out * n * BLOCK / rank1_rate + out * n * n / lazy_rate)
         solve_flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
     return Floor(forward / 1e9, hessians / 1e9, factorisation / 1e9, loop / 1e9, (flops + solve_flops) / 1e12,
                  solve_flops / 1e12)

@@ -59,12 +59,13 @@ class BlockLoop:
     Qt [cols, R] int8, all contiguous where not said otherwise; group [cols] the group of each
     position, first [cols] the group fitted at each position (-1: none), members
     [groups, size], importance [cols]; scale, zero [groups, R] float32 (zero None when
-    symmetric), filled as groups are fitted.
+    symmetric), filled as groups are fitted. portable: not the AVX-512 code for the block's
+    updates (the same bits: for tests).
     """
 
     def __init__(self, Wt: Tensor, Hinv: Tensor, E: Tensor, Qt: Tensor, group: Tensor, first: Tensor,
                  members: Tensor, importance: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs,
-                 scale_dtype: torch.dtype, observer: str, threads: int):
+                 scale_dtype: torch.dtype, observer: str, threads: int, portable: bool = False):
         self._lib = compiled.library()[0]
         self._Wt, self._Hinv, self._E = Wt, Hinv, E
         mse = observer == "mse"
@@ -80,7 +81,7 @@ class BlockLoop:
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
             compiled.KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
-            candidates.numel(), MSE_FINE if mse else 0.0,
+            candidates.numel(), MSE_FINE if mse else 0.0, int(portable),
         )
 
     def solve(self, block_size: int) -> Tensor:

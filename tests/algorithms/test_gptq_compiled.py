@@ -8,6 +8,7 @@ do not depend on how many threads share its rows.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def test_compiled_loop_does_not_depend_on_the_thread_count(case, monkeypatch):
         assert torch.equal(other.q, results[0].q) and torch.equal(other.scale, results[0].scale)
         assert (other.zero is None) == (results[0].zero is None)
         assert other.zero is None or torch.equal(other.zero, results[0].zero)
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                    reason="the block's updates take the AVX-512 code on an AVX-512 CPU only")
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=["mse", "minmax-channel", "minmax-asym-3b"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_avx512_updates_give_the_portable_codes_bits(case, threads, monkeypatch):
+    # 200 rows: on one thread a tile of 128 rows and a rest of 72 (the last vector masked); on
+    # two, slices of 96 and 104 rows (no whole tile; 8 rows masked)
+    from ptq.algorithms import gptq as gptq_module
+
+    wide = _solve(case, "compiled", monkeypatch, threads=threads)[0].weight
+    monkeypatch.setattr(gptq_module, "BlockLoop", functools.partial(gptq_compiled.BlockLoop, portable=True))
+    portable = _solve(case, "compiled", monkeypatch, threads=threads)[0].weight
+    assert torch.equal(wide.q, portable.q) and torch.equal(wide.scale, portable.scale)
+    assert (wide.zero is None and portable.zero is None) or torch.equal(wide.zero, portable.zero)
 
 
 def test_fp8_and_gpu_solves_keep_the_torch_loop():
