@@ -224,8 +224,8 @@ AVX512 static inline __attribute__((always_inline)) void update_tile(float *w, c
 
 /* update_rows with each tile of a Wt row in registers across all the columns: read and written
    once instead of once per column, the columns' errors of a tile staying in L1 over the rows
-   (a whole block of 128 columns with min-max ranges, on one Zen 5 core: 80-90 GFLOP/s of
-   updates against 50-60 with the loop below; with mse ranges the range search takes most of
+   (a whole block of 128 columns with min-max ranges, on one Zen 5 core at 256-1536 rows: 80-91
+   GFLOP/s of updates against 43-61 with the loop below; with mse ranges the range search takes most of
    the time) */
 AVX512 static void update_rows_avx512(const Shape *s, float *Wt, const float *E, const float *Hinv, int64_t i1,
                                       int64_t c0, int64_t c1, int64_t k0, int64_t k1) {
