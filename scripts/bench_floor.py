@@ -78,6 +78,15 @@ class Rates:
             self.cache[key] = flops / best_seconds(make()) / 1e9
         return self.cache[key]
 
+    def _rate_in_place(self, key: tuple, flops: float, make: Callable[[], tuple[Callable, Callable]]) -> float:
+        """_rate of an operation that consumes its input: make() gives (reset, run); each
+        timed call resets the input first, and the reset's own time is taken off."""
+        if key not in self.cache:
+            reset, run = make()
+            both = best_seconds(lambda: (reset(), run()))
+            self.cache[key] = flops / max(both - best_seconds(reset), 1e-9) / 1e9
+        return self.cache[key]
+
     def gemm(self, m: int, k: int, n: int, dtype: torch.dtype) -> float:
         def make():
             a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # [m, k], [k, n]
@@ -127,12 +136,11 @@ class Rates:
             return self._rate(("compiled factorisation", n), 2 * n**3 / 3, make_whole)
         if not cholesky.compiled_blocks(torch.empty(0)):
             return 0.0
-        key = ("compiled blocks", n)
-        if key not in self.cache:  # it factors in place: a fresh copy each call, whose time is taken off
+        def make_blocks():  # it factors in place: a fresh copy each call
             H, A = positive_definite(), torch.empty(n, n)
-            both = best_seconds(lambda: cholesky.blocked_inverse_cholesky_(A.copy_(H), torch.get_num_threads()))
-            self.cache[key] = 2 * n**3 / 3 / max(both - best_seconds(lambda: A.copy_(H)), 1e-9) / 1e9
-        return self.cache[key]
+            return lambda: A.copy_(H), lambda: cholesky.blocked_inverse_cholesky_(A, torch.get_num_threads())
+
+        return self._rate_in_place(("compiled blocks", n), 2 * n**3 / 3, make_blocks)
 
     def compiled_gemm(self, m: int, k: int, n: int) -> float:
         """ptq's compiled C -= A @ B (compiled.gemm_subtract), [m, k] @ [k, n] float32, the
@@ -181,13 +189,14 @@ class Rates:
         work the job needs that the floor otherwise leaves out. 0 where the compiled loop does
         not run (torch's loop there: addr's rate is its rate)."""
         from ptq.algorithms import compiled
+        from ptq.algorithms.gptq import _group_layout
         from ptq.algorithms.gptq_compiled import BlockLoop
         from ptq.schemes import QuantArgs
 
         if compiled.unavailable():
             return 0.0
-        key = ("compiled block", out, block)
-        if key not in self.cache:
+
+        def make():
             x = torch.randn(block, 2 * block)
             L = torch.linalg.cholesky(torch.linalg.inv(x @ x.t() / block + torch.eye(block)))
             Hinv = L.t().contiguous()  # [block, block] upper, as GPTQ's
@@ -195,15 +204,15 @@ class Rates:
             Wt, E, Qt = torch.empty_like(W), torch.empty(block, out), torch.empty(block, out, dtype=torch.int8)
             scale = torch.empty(1, out)  # [groups, out]: held here, the loop keeps only its address
             args = QuantArgs(num_bits=4, strategy="group", group_size=block)
-            positions = torch.arange(block)
+            members, group = _group_layout(block, args, "none", None)  # one group, fitted at position 0
             first = torch.full((block,), -1, dtype=torch.long)
             first[0] = 0
-            loop = BlockLoop(Wt, Hinv, E, Qt, torch.zeros(block, dtype=torch.long), first, positions.view(1, -1),
-                             torch.ones(block), scale, None, args, torch.bfloat16, "minmax",
-                             torch.get_num_threads())
-            both = best_seconds(lambda: (Wt.copy_(W), loop.solve(block)))  # it consumes its weight
-            self.cache[key] = out * block * block / max(both - best_seconds(lambda: Wt.copy_(W)), 1e-9) / 1e9
-        return self.cache[key]
+            loop = BlockLoop(Wt, Hinv, E, Qt, group, first, members, torch.ones(block), scale, None, args,
+                             torch.bfloat16, "minmax", torch.get_num_threads())
+            keep = (Qt, scale)  # alive while the loop writes them
+            return lambda: Wt.copy_(W), lambda: (keep, loop.solve(block))  # it consumes its weight
+
+        return self._rate_in_place(("compiled block", out, block), out * block * block, make)
 
     def rank1(self, out: int, block: int = BLOCK) -> float:
         """addr_ on block / 2 rows of [out]: the column loop's update inside a block, on average."""
