@@ -8,6 +8,9 @@
 
 #include "algorithms/quant_math.h"
 
+/* byte i of a uint64_t in memory is its bits [8i, 8i + 8) (x86-64, Arm) */
+#define LITTLE_ENDIAN_BYTES (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+
 /* values [rows, n] int8 (row stride vstride) into words [rows, nwords] (nwords =
    ceil(n * bits / 32), contiguous); each value in -2^(bits-1) .. 2^(bits-1) - 1 */
 VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, int64_t vstride, int32_t bits,
@@ -16,6 +19,15 @@ VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, in
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *v = values + r * vstride;
         uint32_t *w = (uint32_t *)words + r * nwords;
+        if (bits == 4 && n % 8 == 0) { /* as in ptq_unpack_int32: a fixed count, vectorized */
+            for (int64_t k = 0; k < nwords; k++) {
+                uint32_t word = 0;
+                for (int64_t i = 0; i < 8; i++)
+                    word |= (uint32_t)((int32_t)v[k * 8 + i] + 8) << (4 * i);
+                w[k] = word;
+            }
+            continue;
+        }
         if (32 % bits == 0) { /* whole values per word: no straddling */
             const int64_t per = 32 / bits;
             for (int64_t k = 0; k < nwords; k++) {
@@ -48,10 +60,16 @@ VECTORIZED void ptq_unpack_int32(const int32_t *words, int64_t rows, int64_t nwo
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t *w = (const uint32_t *)words + r * nwords;
         int8_t *v = values + r * n;
-        if (bits == 4 && n % 8 == 0) { /* the common case, with a fixed count the compiler vectorizes */
-            for (int64_t k = 0; k < nwords; k++)
-                for (int64_t i = 0; i < 8; i++)
-                    v[k * 8 + i] = (int8_t)((int32_t)((w[k] >> (4 * i)) & 15u) - 8);
+        if (bits == 4 && n % 8 == 0 && LITTLE_ENDIAN_BYTES) { /* the common case: 8 fields to 8 bytes at once */
+            for (int64_t k = 0; k < nwords; k++) {
+                uint64_t x = w[k];
+                x = (x | x << 16) & 0x0000FFFF0000FFFFull;
+                x = (x | x << 8) & 0x00FF00FF00FF00FFull;
+                x = (x | x << 4) & 0x0F0F0F0F0F0F0F0Full; /* field i in byte i */
+                /* each byte less 8, as int8: from 128 + field no byte borrows from the next */
+                x = ((x | 0x8080808080808080ull) - 0x0808080808080808ull) ^ 0x8080808080808080ull;
+                memcpy(v + k * 8, &x, 8);
+            }
             continue;
         }
         if (32 % bits == 0) {

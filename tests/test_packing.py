@@ -82,7 +82,7 @@ def test_zero_points_packed_as_compressed_tensors_packs_them(bits, out_features)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("n", [1, 7, 31, 33, 100, 576])
+@pytest.mark.parametrize("n", [1, 7, 8, 31, 33, 100, 576])
 def test_compiled_packing_writes_the_torch_words(bits, n, monkeypatch):
     # on a CPU the compiled library packs (packing.c); the torch code is its reference. The
     # values include both extremes, and come as a slice of wider rows (a row stride > n)
