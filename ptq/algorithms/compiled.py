@@ -3,7 +3,8 @@ gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packi
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
 on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (the same two), the calibration
-passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention), and
+passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention) and RMSNorms
+(ptq/cpu_norm.c, driven from ptq.cpu_norm), and
 moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
 copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
 One library, built at install when a C compiler is there (setup.py); without one ptq
@@ -109,6 +110,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_mirror_32.argtypes = [_P, _I, _I, _I, _I, _C]
     lib.ptq_reverse_32.restype = None
     lib.ptq_reverse_32.argtypes = [_P, _I, _I, _I]
+    lib.ptq_rms_norm_bf16.restype = ctypes.c_int
+    lib.ptq_rms_norm_bf16.argtypes = [_P, _I, _P, _I, _I, _I, _F, _C, _C, _P, _I]
+    lib.ptq_sum_squares_bf16.restype = ctypes.c_int
+    lib.ptq_sum_squares_bf16.argtypes = [_P, _I, _I, _I, _C, _P]
     return lib, None
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ptq import cpu_norm
 from ptq.calibration.observers import Observer
 from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden, run_until_stopped
 from ptq.modules import cached_weight
@@ -167,11 +168,15 @@ class _Memo(nn.Module):
 
     Nothing is copied, and only outputs that would otherwise be recomputed are kept: about
     one hidden-sized tensor per batch while the block runs for each, the first as the q/k/v
-    stage's recorded input, the second as gate/up's, kept until the final pass uses it."""
+    stage's recorded input, the second as gate/up's, kept until the final pass uses it.
+
+    What it does compute, a Llama-style RMSNorm computes compiled on a CPU (ptq.cpu_norm:
+    the same bits as transformers' forward, fewer passes over the activations)."""
 
     def __init__(self, module: nn.Module, batch: _Batch, batches: int):
         super().__init__()
         self.inner = module
+        self.compiled = cpu_norm.compiled_forward(module)  # None unless a Llama-style RMSNorm
         self.batch = batch
         self.calls: list[tuple | None] = [None] * batches  # per batch: inputs, output, their versions
         self.latest: list[weakref.ref | None] = [None] * batches  # per batch: the output of a pass's first call
@@ -204,7 +209,9 @@ class _Memo(nn.Module):
             inputs, output, versions = last
             if _identical((args, kwargs), inputs) and _versions((inputs, output)) == versions:
                 return output
-        output = self.inner(*args, **kwargs)
+        output = self.compiled(args[0]) if self.compiled and len(args) == 1 and not kwargs else None
+        if output is None:
+            output = self.inner(*args, **kwargs)
         kept = _plain((args, kwargs)) and _plain(output) and self.batch.from_block_inputs((args, kwargs))
         self.calls[i] = ((args, kwargs), output, _versions(((args, kwargs), output))) if kept else None
         return output

@@ -135,6 +135,25 @@ def test_norms_of_the_block_input_or_of_a_stage_input_are_computed_once_per_batc
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_all))
 
 
+def test_the_compiled_norms_change_no_bit_of_the_calibration(monkeypatch):
+    # on a CPU where it runs, the passes compute Llama's RMSNorms compiled (ptq/cpu_norm.py):
+    # the same Hessians and block outputs as with transformers' own norm, bit for bit
+    from ptq import cpu_norm
+
+    if cpu_norm.lanes() is None:
+        pytest.skip("the compiled norm does not run here")
+    calls = []
+    rms_norm = cpu_norm.rms_norm
+    monkeypatch.setattr(cpu_norm, "rms_norm", lambda *a, **k: calls.append(1) or rms_norm(*a, **k))
+    hessians, outputs = quantize_with(tiny_model("llama", dtype=torch.bfloat16), replay=True)
+    layers, batches = len(outputs), 2
+    assert len(calls) == 2 * layers * batches  # each norm once per batch; the probe pass's ran torch's
+    monkeypatch.setattr(cpu_norm, "compiled_forward", lambda _module: None)
+    hessians_torch, outputs_torch = quantize_with(tiny_model("llama", dtype=torch.bfloat16), replay=True)
+    assert all(torch.equal(hessians[name], hessians_torch[name]) for name in hessians_torch)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_torch))
+
+
 def test_replays_are_copied_only_for_a_later_pass(monkeypatch):
     # a replay's copy guards what a later pass reads again against in-place ops; where no
     # later pass reads it, its outputs are handed over: q/k/v's in o's pass (self_attn is
