@@ -19,7 +19,7 @@ VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, in
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *v = values + r * vstride;
         uint32_t *w = (uint32_t *)words + r * nwords;
-        if (bits == 4 && n % 8 == 0) { /* as in ptq_unpack_int32: a fixed count, vectorized */
+        if (bits == 4 && n % 8 == 0) { /* the common case, with a fixed count the compiler vectorizes */
             for (int64_t k = 0; k < nwords; k++) {
                 uint32_t word = 0;
                 for (int64_t i = 0; i < 8; i++)
