@@ -39,10 +39,10 @@ ALWAYS_INLINE float bf16_value(uint16_t h) {
 /* x rounded to bf16 to nearest even; NaN to 0x7FC0 (c10::BFloat16's scalar conversion; torch's
    vector code may keep a NaN's sign and payload: NaN either way) */
 ALWAYS_INLINE uint16_t bf16_bits(float x) {
+    const float rounded = to_bf16(x); /* quant_math.h */
     uint32_t u;
-    memcpy(&u, &x, 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    return x != x ? (uint16_t)0x7FC0 : rounded;
+    memcpy(&u, &rounded, 4);
+    return x != x ? (uint16_t)0x7FC0 : (uint16_t)(u >> 16);
 }
 
 /* acc[c] += x[i·W + c]² for rounds [i0, i1) of W values (W = ILP·L: lane l of accumulator
@@ -62,14 +62,16 @@ VECTORIZED static void scaled_row(const uint16_t *x, const uint16_t *w, int64_t 
 }
 
 #if HAS_AVX512 /* (quant_math.h) */
-AVX512 static inline __m512 bf16_values_v(const uint16_t *p) { /* 16 bf16 -> float32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+AVX512 static inline __m512 bf16_values_v(__m256i h) { /* 16 bf16 -> float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-AVX512 static inline __m256i bf16_bits_v(__m512 v) { /* bf16_bits, 16 lanes */
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+AVX512 static inline __m512 load_bf16_v(const uint16_t *p) {
+    return bf16_values_v(_mm256_loadu_si256((const __m256i *)p));
+}
+
+AVX512 static inline __m256i bf16_bits_v(__m512 v) { /* bf16_bits, 16 lanes (quant_math.h's to_bf16_v) */
+    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(v)), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
 }
@@ -82,7 +84,7 @@ AVX512 static void add_rounds_avx512(float *acc, const uint16_t *x, int64_t i0, 
         a[k] = _mm512_loadu_ps(acc + 16 * k);
     for (int64_t i = i0; i < i1; i++)
         for (int k = 0; k < vectors; k++) {
-            const __m512 v = bf16_values_v(x + i * W + 16 * k);
+            const __m512 v = load_bf16_v(x + i * W + 16 * k);
             a[k] = _mm512_add_ps(a[k], _mm512_mul_ps(v, v));
         }
     for (int k = 0; k < vectors; k++)
@@ -93,9 +95,8 @@ AVX512 static void scaled_row_avx512(const uint16_t *x, const uint16_t *w, int64
     const __m512 s = _mm512_set1_ps(scale);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const __m256i h = bf16_bits_v(_mm512_mul_ps(bf16_values_v(x + j), s));
-        const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(bf16_values_v(w + j), hv)));
+        const __m512 h = bf16_values_v(bf16_bits_v(_mm512_mul_ps(load_bf16_v(x + j), s)));
+        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(load_bf16_v(w + j), h)));
     }
     scaled_row(x + j, w + j, n - j, scale, y + j);
 }
@@ -191,7 +192,8 @@ int ptq_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t
 int ptq_sum_squares_bf16(const uint16_t *x, int64_t ldx, int64_t rows, int64_t n, int32_t lanes, float *sums) {
     if (lanes != 16 && lanes != 8)
         return 1;
+    const int wide = wide_here(0);
     for (int64_t r = 0; r < rows; r++)
-        sums[r] = sum_of_squares(x + r * ldx, n, lanes, wide_here(0));
+        sums[r] = sum_of_squares(x + r * ldx, n, lanes, wide);
     return 0;
 }

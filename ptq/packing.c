@@ -11,6 +11,20 @@
 /* byte i of a uint64_t in memory is its bits [8i, 8i + 8) (x86-64, Arm) */
 #define LITTLE_ENDIAN_BYTES (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
 
+/* words [0, count) of a row whose values fill them whole (32 / bits each); inlined with
+   bits a constant, the fixed count of values per word lets the compiler vectorize it */
+static inline __attribute__((always_inline)) void whole_words(const int8_t *v, uint32_t *w, int64_t count,
+                                                              const int bits) {
+    const int per = 32 / bits;
+    const int32_t offset = 1 << (bits - 1);
+    for (int64_t k = 0; k < count; k++) {
+        uint32_t word = 0;
+        for (int i = 0; i < per; i++)
+            word |= (uint32_t)((int32_t)v[k * per + i] + offset) << (i * bits);
+        w[k] = word;
+    }
+}
+
 /* values [rows, n] int8 (row stride vstride) into words [rows, nwords] (nwords =
    ceil(n * bits / 32), contiguous); each value in -2^(bits-1) .. 2^(bits-1) - 1 */
 VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, int64_t vstride, int32_t bits,
@@ -19,23 +33,17 @@ VECTORIZED void ptq_pack_int32(const int8_t *values, int64_t rows, int64_t n, in
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *v = values + r * vstride;
         uint32_t *w = (uint32_t *)words + r * nwords;
-        if (bits == 4 && n % 8 == 0) { /* the common case, with a fixed count the compiler vectorizes */
-            for (int64_t k = 0; k < nwords; k++) {
-                uint32_t word = 0;
-                for (int64_t i = 0; i < 8; i++)
-                    word |= (uint32_t)((int32_t)v[k * 8 + i] + 8) << (4 * i);
-                w[k] = word;
-            }
-            continue;
-        }
         if (32 % bits == 0) { /* whole values per word: no straddling */
-            const int64_t per = 32 / bits;
-            for (int64_t k = 0; k < nwords; k++) {
+            const int64_t per = 32 / bits, whole = n / per;
+            if (bits == 4) /* the common case, with a constant count */
+                whole_words(v, w, whole, 4);
+            else
+                whole_words(v, w, whole, bits);
+            if (whole < nwords) { /* the row's last values, part of a word */
                 uint32_t word = 0;
-                const int64_t j0 = k * per, j1 = j0 + per < n ? j0 + per : n;
-                for (int64_t j = j0; j < j1; j++)
-                    word |= (uint32_t)((int32_t)v[j] + (int32_t)offset) << ((j - j0) * bits);
-                w[k] = word;
+                for (int64_t j = whole * per; j < n; j++)
+                    word |= (uint32_t)((int32_t)v[j] + (int32_t)offset) << ((j - whole * per) * bits);
+                w[whole] = word;
             }
             continue;
         }
