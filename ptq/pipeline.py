@@ -413,12 +413,15 @@ def _quantize_with_calibration(
         if order.never_called:
             _quantize_rtn(model, {prefix + n: mine.pop(n) for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
+        # where each Linear runs once, a statistics pass can stop after the last one it observes
+        called = [mine[n] for stage in order.stages for n in stage] \
+            if order.called_once and not moe.has_experts(run.block) else None
         for transform in recipe.transforms:
             transform = router_safe(run.block, transform, report)
             if transform is None:
                 continue
             start = time.perf_counter()
-            smoothed = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype)
+            smoothed = smooth_block_(model, run, transform, step.scheme.weights, report.checkpoint_dtype, called)
             report.add_time(f"{transform.step_name} statistics", smoothed.statistics_seconds)
             report.add_time(f"{transform.step_name} search", time.perf_counter() - start - smoothed.statistics_seconds)
             report.smoothing.update({f"{run.name}: {pair}": what for pair, what in smoothed.done.items()})

@@ -10,7 +10,7 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,16 +48,20 @@ class Smoothed:
 
 
 def smooth_block_(
-    model: nn.Module, run: BlockRun, step: TransformStep, args: QuantArgs, scale_dtype: torch.dtype
+    model: nn.Module, run: BlockRun, step: TransformStep, args: QuantArgs, scale_dtype: torch.dtype,
+    order: Sequence[nn.Module] | None = None,
 ) -> Smoothed:
-    """Apply one smoothing step to the block in place."""
+    """Apply one smoothing step to the block in place. order: the block's Linears in the
+    order its forward pass calls them, each once (None where unknown): the statistics pass
+    then ends where the last Linear it observes is about to run (_stop_at)."""
     # the recipe's own mappings must name modules of every block; the table's may not apply
     mappings, skipped = block_mappings(model, run.block, step.mappings, strict=True, what=step.step_name)
+    stop_at = _stop_at(mappings, order)
     if isinstance(step, SmoothQuantStep):
-        done, seconds = _smoothquant_(run, mappings, step)
+        done, seconds = _smoothquant_(run, mappings, step, stop_at)
     else:
         assert isinstance(step, AWQStep)
-        done, seconds = _awq_(run, mappings, step, args, scale_dtype)
+        done, seconds = _awq_(run, mappings, step, args, scale_dtype, stop_at)
     # a routed expert that no calibration token reached has no statistics: left as it is
     unrouted = [m.mapping.describe() for m in mappings if m.mapping.describe() not in done]
     skipped += [f"{pair} skipped: no calibration token was routed to it" for pair in unrouted]
@@ -68,11 +72,25 @@ def _first_inputs(mappings: list[ResolvedMapping]) -> dict[str, nn.Linear]:
     return {m.mapping.balance[0]: m.balance[0] for m in mappings}
 
 
+def _stop_at(mappings: list[ResolvedMapping], order: Sequence[nn.Module] | None) -> nn.Module | None:
+    """Where the statistics pass can end: at the observed Linear (a mapping's first balance
+    Linear) that the block calls last, when the order is known and holds them all. Nothing
+    after it is needed: the rest of the block (down_proj's GEMM, the residual add in a
+    Llama MLP) is not computed. Each AWQ mapping's inspected module contains its balance
+    Linears, so its pre-hook, which records its inputs, comes before theirs."""
+    position = {id(module): i for i, module in enumerate(order or ())}
+    observed = [m.balance[0] for m in mappings]
+    if not observed or any(id(linear) not in position for linear in observed) \
+            or any(not any(b is linear for linear in m.inspect.modules()) for m in mappings for b in m.balance[:1]):
+        return None
+    return max(observed, key=lambda linear: position[id(linear)])
+
+
 def _smoothquant_(
-    run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep
+    run: BlockRun, mappings: list[ResolvedMapping], step: SmoothQuantStep, stop_at: nn.Module | None
 ) -> tuple[dict[str, str], float]:
     start = time.perf_counter()
-    observers = run.collect(_first_inputs(mappings), AbsMaxObserver)
+    observers = run.collect(_first_inputs(mappings), AbsMaxObserver, stop_at=stop_at)
     seconds = time.perf_counter() - start
     done = {}
     for m in (m for m in mappings if m.mapping.balance[0] in observers):
@@ -84,13 +102,14 @@ def _smoothquant_(
 
 
 def _awq_(
-    run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype
+    run: BlockRun, mappings: list[ResolvedMapping], step: AWQStep, args: QuantArgs, scale_dtype: torch.dtype,
+    stop_at: nn.Module | None,
 ) -> tuple[dict[str, str], float]:
     # "linear": the balance Linears of a mapping read one input (a pair whose smooth op feeds
     # a router, the only way routed experts could share one, is refused: moe.router_reads)
     start = time.perf_counter()
     inspected = _InspectedInputs(mappings, per_linear=step.loss == "linear")
-    observers = run.collect(_first_inputs(mappings), MeanAbsObserver, hooks=inspected.hooks)
+    observers = run.collect(_first_inputs(mappings), MeanAbsObserver, stop_at=stop_at, hooks=inspected.hooks)
     seconds = time.perf_counter() - start
     done = {}
     for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
