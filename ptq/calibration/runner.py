@@ -292,7 +292,7 @@ class BlockRun:
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
         own thread with an equal share of torch's threads), no more of them ahead of the
-        result taken next than threads in flight, which bounds what waits in memory
+        result taken next than threads in flight and one, which bounds what waits in memory
         (devices.map_side_by_side, bounded)."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
                                 bounded=True)
