@@ -336,11 +336,7 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     each result yielded as it comes.
 
     All at once, or `bounded`: no more calls ahead of the result the caller takes next
-    than passes in flight and one, which bounds what waits in memory. The one more keeps
-    every thread busy where the caller runs a call itself while its next result is still
-    on a pool thread: with a window of passes in flight, that thread, once done, would wait
-    for the caller to finish its call and take the result (SmolLM2's 4 batches a block on
-    2 cores ran in 3 waves instead of 2 about half the time). With one torch thread a pass
+    than passes in flight, which bounds what waits in memory. With one torch thread a pass
     (up to MAX_IN_FLIGHT cores) such a map streams (_Tasks.in_order): a thread that is free takes
     the next call, while the caller works on the results in order, its own torch ops on one
     thread as the passes' (torch's count is process-wide; ptq's own threads keep the
@@ -365,7 +361,7 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     calls = [functools.partial(task, item) for item in items]
     if bounded and threads_each == 1:
         with torch_ops_on_one_thread():  # the caller's ops too, as the calls'
-            yield from _Tasks(calls, ahead=in_flight + 1).in_order(in_flight)
+            yield from _Tasks(calls, ahead=in_flight).in_order(in_flight)
         return
     step = in_flight if bounded else len(calls)
     for start in range(0, len(calls), step):

@@ -408,7 +408,7 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
 
     batch.last_pass = True
     with _replaying(run.block, replays, batch, last_use=frozenset(replays)), cached_weight(run.block):
-        return list(run.map_batches(final))
+        return list(run.map_batches(final, bounded=False))
 
 
 def _last_used(replays: dict[str, list], returns: dict[str, tuple[str, int]], linears: dict[str, nn.Linear],

@@ -8,7 +8,9 @@ from torch import nn
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import float32_gemms
-from ptq.calibration.runner import batch_size_for, run_blocks
+from ptq.calibration.runner import BlockRun, batch_size_for, run_blocks
+from ptq.recipe import parse_recipe
+import ptq
 from ptq.calibration.sequential import execution_stages
 from tests.conftest import tiny_config, tiny_model
 
@@ -192,3 +194,33 @@ def test_a_whole_chunk_is_summed_where_it_is_with_the_same_bits(dtype, monkeypat
     else:
         assert summed[0] == x.data_ptr()  # not copied
     assert torch.equal(whole.value, pieces.value)
+
+
+def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
+    """A pass whose caller keeps every result (the next block's inputs, the sequential
+    engine's final pass) streams unbounded: a thread that comes free takes the next batch
+    (tests/test_devices.py); a pass whose caller sums each result stays bounded."""
+    modes = []
+    original = BlockRun.map_batches
+
+    def recording(self, function, bounded=True):
+        modes.append(bounded)
+        return original(self, function, bounded)
+
+    monkeypatch.setattr(BlockRun, "map_batches", recording)
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(3))
+    path, _ = find_blocks(model)
+
+    def process(run):
+        run.collect({"q": run.block.self_attn.q_proj}, HessianObserver)
+
+    run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=1, show_progress=False)
+    assert modes == [True, False] * 2  # per block: collect bounded, outputs not
+
+    modes.clear()
+    quantized = tiny_model("llama", dtype=torch.float32)
+    recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 16}, "steps": [{"gptq": {"scheme": "W4A16"}}]})
+    ptq.quantize(quantized, recipe, data=ids, show_progress=False)
+    stages = 4  # q/k/v, o, gate/up, down: a bounded pass each, then the final pass
+    assert modes == ([True] * stages + [False]) * 2
