@@ -80,10 +80,9 @@ def _stop_at(mappings: list[ResolvedMapping], order: Sequence[nn.Module] | None)
     Linears, so its pre-hook, which records its inputs, comes before theirs."""
     position = {id(module): i for i, module in enumerate(order or ())}
     observed = [m.balance[0] for m in mappings]
-    if not observed or any(id(linear) not in position for linear in observed) \
-            or any(not any(b is linear for linear in m.inspect.modules()) for m in mappings for b in m.balance[:1]):
-        return None
-    return max(observed, key=lambda linear: position[id(linear)])
+    placed = observed and all(id(linear) in position for linear in observed)
+    inside = all(any(module is m.balance[0] for module in m.inspect.modules()) for m in mappings)
+    return max(observed, key=lambda linear: position[id(linear)]) if placed and inside else None
 
 
 def _smoothquant_(
