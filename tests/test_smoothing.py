@@ -10,7 +10,7 @@ import torch
 
 import ptq
 import ptq.smoothing as smoothing
-from ptq.arch import find_blocks
+from ptq.arch import block_mappings, find_blocks
 from ptq.calibration.runner import batch_size_for
 from ptq.recipe import parse_recipe
 from tests.test_arch import tiny
@@ -59,7 +59,7 @@ def test_the_statistics_pass_stops_after_its_last_input_and_changes_no_bit(famil
 def test_no_stop_where_the_order_is_unknown_or_misses_an_observed_linear():
     model = tiny("llama")
     block = find_blocks(model)[1][0]
-    mappings = smoothing.block_mappings(model, block, None, strict=False)[0]
+    mappings = block_mappings(model, block)[0]
     mlp, attention = block.mlp, block.self_attn
     order = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
              mlp.gate_proj, mlp.up_proj, mlp.down_proj]

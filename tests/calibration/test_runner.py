@@ -5,12 +5,12 @@ import torch
 import transformers
 from torch import nn
 
+import ptq
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import float32_gemms
 from ptq.calibration.runner import BlockRun, batch_size_for, run_blocks
 from ptq.recipe import parse_recipe
-import ptq
 from ptq.calibration.sequential import execution_stages
 from tests.conftest import tiny_config, tiny_model
 
