@@ -413,9 +413,7 @@ def _quantize_with_calibration(
         if order.never_called:
             _quantize_rtn(model, {prefix + n: mine.pop(n) for n in order.never_called}, step, report)
             report.notes.append(f"RTN for Linears the forward pass never calls: {', '.join(order.never_called)}")
-        # where each Linear runs once, a statistics pass can stop after the last one it observes
-        called = [mine[n] for stage in order.stages for n in stage] \
-            if order.called_once and not moe.has_experts(run.block) else None
+        called = None if moe.has_experts(run.block) else order.called_in_order(mine)  # where stats passes may stop
         for transform in recipe.transforms:
             transform = router_safe(run.block, transform, report)
             if transform is None:

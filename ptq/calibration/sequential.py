@@ -268,6 +268,11 @@ class Stages:
     # with that output first and None after it; 0 when it returns the tensor itself)
     returns: dict[str, tuple[str, int]]
 
+    def called_in_order(self, linears: dict[str, nn.Module]) -> list[nn.Module] | None:
+        """linears' modules in the order the block calls them, each once; None where one runs
+        more than once (the order of a block's Linears alone: ptq.smoothing stops there)."""
+        return [linears[name] for stage in self.stages for name in stage] if self.called_once else None
+
 
 @torch.no_grad()
 def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
