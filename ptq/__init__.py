@@ -13,6 +13,10 @@ from ptq.openmp import default_spin_count
 
 default_spin_count()  # before torch loads its OpenMP runtime: see ptq/openmp.py
 
+from ptq.source_checkout import hub_kernels_first
+
+hub_kernels_first()  # before transformers imports it: see ptq/source_checkout.py
+
 from ptq.checkpoint.reader import load
 from ptq.checkpoint.writer import save
 from ptq.errors import PtqError
