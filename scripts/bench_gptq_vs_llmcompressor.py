@@ -27,7 +27,9 @@ Phases, each printing a table:
    matrices) beside its GPTQ solves on the same model, and llm-compressor's AWQ (which
    on a CPU may raise: its error line is the row);
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
-   here for its kind of operation, against ptq's quantize time; beside it a plain forward
+   here for its kind of operation (timed before and after the timed runs, the faster
+   kept: a VM slowed while a rate is timed would raise the floor), against ptq's quantize
+   time; beside it a plain forward
    pass in transformers of the same tokens, which shows what the glue between the Linears
    costs (the floor counts the Linears and attention only);
 4. under load (--load-models: the bundled model and the SmolLM2-shaped one by default):
@@ -257,16 +259,35 @@ def awq_table(args, results) -> None:
                   f"{runs[-1].get('ppl', float('nan')):7.3f}")
 
 
-def floor_table(args, results) -> dict[str, float]:
-    """Print each model's floor and ptq's quantize time against it; return model -> ratio."""
+def floor_rates(args) -> Rates:
+    """The rates every floor of the run needs, timed now (before the timed runs: floor_table
+    times them again after them and keeps the faster)."""
+    rates = Rates()
+    for name in args.models:
+        config = model_config(args, name)
+        floor_of(config, *args.tokens[name], rates)
+        floor_of(config, *args.tokens[name], rates, compiled_solves=False)
+        if name in args.awq_models:
+            awq_search_floor(config, rates, AWQ_GRID)
+    return rates
+
+
+def model_config(args, name: str):
     import transformers
 
-    rates, ratios = Rates(), {}
+    return transformers.AutoConfig.from_pretrained(args.paths[name][0])
+
+
+def floor_table(args, results, rates: Rates) -> dict[str, float]:
+    """Print each model's floor and ptq's quantize time against it; return model -> ratio."""
+    moved = rates.remeasure()
+    ratios = {}
     print("\nFloor: every FLOP of the GPTQ job at the best rate measured here for its kind, ptq's compiled "
-          "kernels included (scripts/bench_floor.py)")
+          "kernels included (scripts/bench_floor.py); each rate the faster of two timings, before and after "
+          f"the timed runs ({len(moved)} of {len(rates.cache)} differed by more than 10%)")
     for name in args.models:
         samples, seq_len = args.tokens[name]
-        config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
+        config = model_config(args, name)
         floor = floor_of(config, samples, seq_len, rates)
         quantize = median(results.get((name, "ptq", "gptq", "auto"), []), "quantize")
         ratios[name] = quantize / floor.seconds
@@ -435,10 +456,11 @@ def main() -> None:
     cases += [(name, tool, method, dtype) for name in args.awq_models
               for tool, method, dtype in [("ptq", AWQ_METHODS[loss], "auto") for loss in args.awq_losses]
               + [(tool, "awq", dtype) for tool, dtype in llmc[:1]]]
+    rates = floor_rates(args)
     results = timed_runs(args, cases)
     gptq_table(args, results)
     awq_table(args, results)
-    floor_ratios = floor_table(args, results)
+    floor_ratios = floor_table(args, results, rates)
     slowdowns = {} if args.skip_load else load_phase(args, results)
     goals(args, results, floor_ratios, slowdowns)
     print(f"\n{time.perf_counter() - start:.0f} s in all; load average at the end: {os.getloadavg()[0]:.2f}")
