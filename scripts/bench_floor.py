@@ -73,7 +73,7 @@ class Rates:
     remeasure() times every cached one again and keeps the faster of the two: a rate timed
     while the VM was slowed for a moment raises the floor (one run measured 196 and 200
     GFLOP/s for two bf16 GEMM shapes of the random model, 343-363 for its others, and put
-    ptq's quantize at 0.89x a floor that was none; the same shapes measured 349-363 minutes
+    ptq's quantize at 0.89x a floor that was none; the same shapes measured 342-375 minutes
     later). A floor is the best the machine does, so each rate is the best seen."""
 
     def __init__(self) -> None:

@@ -29,9 +29,8 @@ Phases, each printing a table:
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
    here for its kind of operation (timed before and after the timed runs, the faster
    kept: a VM slowed while a rate is timed would raise the floor), against ptq's quantize
-   time; beside it a plain forward
-   pass in transformers of the same tokens, which shows what the glue between the Linears
-   costs (the floor counts the Linears and attention only);
+   time; beside it a plain forward pass in transformers of the same tokens, which shows
+   what the glue between the Linears costs (the floor counts the Linears and attention only);
 4. under load (--load-models: the bundled model and the SmolLM2-shaped one by default):
    ptq's GPTQ and llm-compressor's (at its faster dtype) with one busy process per core
    beside them (scripts/bench_under_load.busy_cores), each run right after a quiet one of
