@@ -61,7 +61,7 @@ from pathlib import Path
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
-from bench_floor import Rates, awq_search_floor, floor_of, transformers_forward
+from bench_floor import Floor, Rates, SearchFloor, awq_search_floor, floor_of, transformers_forward
 from bench_under_load import busy_cores
 from ptq.malloc import keep_freed_memory
 
@@ -263,18 +263,19 @@ def floor_rates(args) -> Rates:
     times them again after them and keeps the faster)."""
     rates = Rates()
     for name in args.models:
-        config = model_config(args, name)
-        floor_of(config, *args.tokens[name], rates)
-        floor_of(config, *args.tokens[name], rates, compiled_solves=False)
-        if name in args.awq_models:
-            awq_search_floor(config, rates, AWQ_GRID)
+        model_floors(args, name, rates)
     return rates
 
 
-def model_config(args, name: str):
+def model_floors(args, name: str, rates: Rates) -> tuple[Floor, Floor, SearchFloor | None]:
+    """The model's GPTQ floor, the same with LAPACK's and torch's rates alone for the solves,
+    and its AWQ search's floor where the run times AWQ on it."""
     import transformers
 
-    return transformers.AutoConfig.from_pretrained(args.paths[name][0])
+    config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
+    floor = floor_of(config, *args.tokens[name], rates)
+    lax = floor_of(config, *args.tokens[name], rates, compiled_solves=False)
+    return floor, lax, awq_search_floor(config, rates, AWQ_GRID) if name in args.awq_models else None
 
 
 def floor_table(args, results, rates: Rates) -> dict[str, float]:
@@ -285,14 +286,11 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
           "kernels included (scripts/bench_floor.py); each rate the faster of two timings, before and after "
           f"the timed runs ({len(moved)} of {len(rates.cache)} differed by more than 10%)")
     for name in args.models:
-        samples, seq_len = args.tokens[name]
-        config = model_config(args, name)
-        floor = floor_of(config, samples, seq_len, rates)
+        floor, lax, search = model_floors(args, name, rates)
         quantize = median(results.get((name, "ptq", "gptq", "auto"), []), "quantize")
         ratios[name] = quantize / floor.seconds
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
-        lax = floor_of(config, samples, seq_len, rates, compiled_solves=False)
         if lax.seconds != floor.seconds:
             print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
                   f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "
@@ -302,8 +300,7 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
         print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
               f"{plain:.2f} s, {plain / floor.forward:.1f}x the floor's forward; with it in place of the "
               f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
-        if (name, "ptq", "awq-linear", "auto") in results:
-            search = awq_search_floor(config, rates, AWQ_GRID)
+        if search is not None and (name, "ptq", "awq-linear", "auto") in results:
             measured = median(results[(name, "ptq", "awq-linear", "auto")], "awq")
             solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
             print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP ({AWQ_GRID + 1} candidates' "
