@@ -376,7 +376,9 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
         print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
         timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
         with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
-            result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
+            result, redone = little_steal(functools.partial(run_worker, args, tool, "gptq", name, dtype, timeout=timeout),
+                                          args.max_steal, args.steal_retries)
+        args.redone += redone
         print(f"  {json.dumps(result)}", flush=True)
         walls.setdefault((tool, load), []).append(result["wall"])
         runs.setdefault(tool, []).append(result)

@@ -66,9 +66,11 @@ def measured_steal(stat: Path = STAT) -> Iterator[Steal]:
 
 def little_steal(run: Callable[[], dict], max_share: float, retries: int) -> tuple[dict, int]:
     """run()'s result (a dict with its "stolen" share, and "wall" seconds), run again up to
-    `retries` times while that share is over max_share; and how many times it ran again."""
+    `retries` times while that share is over max_share (not a failed run's: "error"); and
+    how many times it ran again."""
     result, again = run(), 0
-    while again < retries and (share := result.get("stolen")) is not None and share > max_share:
+    while again < retries and "error" not in result and (share := result.get("stolen")) is not None \
+            and share > max_share:
         print(f"  {result.get('wall', float('nan')):.1f} s with {100 * share:.0f}% of the CPU stolen by the "
               f"hypervisor (over {100 * max_share:g}%): run again", flush=True)
         result, again = run(), again + 1

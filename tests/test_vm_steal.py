@@ -57,9 +57,15 @@ def test_measured_steal_without_a_count_is_unknown(vm_steal, tmp_path):
     ([0.5, 0.3, 0.05], 1, 0.3, 1),  # no more than `retries` times
     ([0.1, 0.5], 2, 0.1, 0),  # at the limit: kept
     ([None, 0.5], 2, None, 0),  # steal not counted here: nothing to go by
+    (["error", 0.05], 2, "RuntimeError", 0),  # a failed run would fail again: not run again
 ])
 def test_little_steal_runs_again_while_too_much_was_stolen(vm_steal, shares, retries, kept, again, capsys):
     runs = iter(shares)
-    result, redone = vm_steal.little_steal(lambda: {"stolen": next(runs), "wall": 1.0}, 0.1, retries)
-    assert (result["stolen"], redone) == (kept, again)
+
+    def run():
+        share = next(runs)
+        return {"stolen": 0.5, "error": "RuntimeError"} if share == "error" else {"stolen": share, "wall": 1.0}
+
+    result, redone = vm_steal.little_steal(run, 0.1, retries)
+    assert (result.get("error", result["stolen"]), redone) == (kept, again)
     assert capsys.readouterr().out.count("run again") == again
