@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -110,3 +112,14 @@ def with_float32_scales(model):
             if hasattr(module, "input_scale"):
                 module.input_scale = module.input_scale.float()
     return model
+
+
+def load_script(name: str, monkeypatch=None):
+    """scripts/<name>.py as a module (scripts/ is no package); with monkeypatch, also in
+    sys.modules under its name for the test's length (its dataclasses look it up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module

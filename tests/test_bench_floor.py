@@ -1,19 +1,11 @@
 """The benchmark's floor (scripts/bench_floor.py) keeps the best rate it has seen of each
 operation: a timing taken while the VM was slowed must not raise the floor."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_floor.py"
+from tests.conftest import load_script
 
 
 def _bench_floor(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_floor", module)  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_floor", monkeypatch)
 
 
 def test_remeasure_keeps_the_faster_timing_of_each_rate(monkeypatch):

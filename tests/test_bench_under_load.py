@@ -2,7 +2,6 @@
 that started them, however it ends: a killed benchmark must not leave cores busy behind it
 (a later "quiet" timing would run under load)."""
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -12,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_under_load.py"
+from tests.conftest import load_script
 
 
 def _busy_program() -> str:
-    spec = importlib.util.spec_from_file_location("bench_under_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.BUSY
+    return load_script("bench_under_load").BUSY
 
 
 def _running(pid: int) -> bool:

@@ -9,9 +9,7 @@ prints that table from it, so the table states what these tests cover and nothin
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +22,10 @@ from ptq.errors import PtqError
 from ptq.modules import QuantLinear
 from ptq.recipe import parse_recipe
 from ptq.targets import matches
-from tests.conftest import VOCAB, tiny_model
+from tests.conftest import VOCAB, load_script, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # dequantize=True
 
-ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")  # AWQ then RTN W4A16; SmoothQuant then RTN W8A8
 
 
@@ -196,10 +193,7 @@ def test_gpt2_is_refused_in_one_line():
 
 
 def test_the_readme_table_says_what_these_tests_cover():
-    spec = importlib.util.spec_from_file_location("families_table", ROOT / "scripts" / "families_table.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    rows = script.families_table().splitlines()[2:]
+    rows = load_script("families_table").families_table().splitlines()[2:]
     assert len(rows) == len(FAMILIES)
     for row, family in zip(rows, FAMILIES):
         cells = [cell.strip() for cell in row.strip("|").split("|")]

@@ -1,23 +1,18 @@
 """The benchmark's record of the CPU time the hypervisor took during a run (scripts/vm_steal.py)."""
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "vm_steal.py"
+from tests.conftest import load_script
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture
 def vm_steal(monkeypatch):
-    spec = importlib.util.spec_from_file_location("vm_steal", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "vm_steal", module)  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vm_steal", monkeypatch)
 
 
 def stat(path: Path, steal_ticks: int) -> Path:
