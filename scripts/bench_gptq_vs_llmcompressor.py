@@ -375,9 +375,9 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
     for _, (tool, dtype), load in itertools.product(range(args.repeats), cases, ("quiet", "loaded")):
         print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
         timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
+        run = functools.partial(run_worker, args, tool, "gptq", name, dtype, timeout=timeout)
         with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
-            result, redone = little_steal(functools.partial(run_worker, args, tool, "gptq", name, dtype, timeout=timeout),
-                                          args.max_steal, args.steal_retries)
+            result, redone = little_steal(run, args.max_steal, args.steal_retries)
         args.redone += redone
         print(f"  {json.dumps(result)}", flush=True)
         walls.setdefault((tool, load), []).append(result["wall"])
