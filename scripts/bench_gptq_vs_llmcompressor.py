@@ -160,7 +160,17 @@ def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size
 
 
 def run_worker(args, tool: str, method: str, name: str, dtype: str, timeout: float | None = None) -> dict:
-    """One quantization in its own process; {"error": ...} when it fails or runs out of time."""
+    """One quantization in its own process; {"error": ...} when it fails or runs out of time.
+    Run again while the hypervisor took more than --max-steal of the CPU during it (at most
+    --steal-retries times, counted in args.redone): the goals are a quiet machine's."""
+    once = functools.partial(_worker_once, args, tool, method, name, dtype, timeout)
+    result, redone = little_steal(once, args.max_steal, args.steal_retries)
+    args.redone += redone
+    return result
+
+
+def _worker_once(args, tool: str, method: str, name: str, dtype: str, timeout: float | None) -> dict:
+    """run_worker's one run, with the CPU share the hypervisor took meanwhile ("stolen")."""
     model, ids = args.paths[name]
     out = args.work / f"{name}-{tool}-{method}-{dtype}{'-no-fast-bf16' if args.no_fast_bf16 else ''}"
     common = ["--model", str(model), "--ids", str(ids), "--out", str(out), "--dtype", dtype, "--method", method,
@@ -203,10 +213,7 @@ def timed_runs(args, cases: list[tuple[str, str, str, str]]) -> dict[tuple, list
             name, tool, method, dtype = case
             print(f"[{time.strftime('%H:%M:%S')}] {tool} {method} ({dtype}) on {name} "
                   f"({repeat + 1}/{args.repeats}) ...", flush=True)
-            # run again while the hypervisor took too much of the CPU: the goals are a quiet machine's
-            result, redone = little_steal(functools.partial(run_worker, args, tool, method, name, dtype),
-                                          args.max_steal, args.steal_retries)
-            args.redone += redone
+            result = run_worker(args, tool, method, name, dtype)
             if name == "bundled" and "error" not in result and repeat == args.repeats - 1:  # held-out text
                 result["ppl"] = perplexity(result["out"])
             results[case].append(result)
@@ -370,20 +377,20 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
     if llmc:
         cases.append(("llmcompressor", llmc[0]))
     cores = len(os.sched_getaffinity(0))
-    walls: dict[tuple[str, str], list[float]] = {}
-    runs: dict[str, list[dict]] = {}
+    runs: dict[tuple[str, str], list[dict]] = {}  # (tool, "quiet" or "loaded") -> results
     for _, (tool, dtype), load in itertools.product(range(args.repeats), cases, ("quiet", "loaded")):
         print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
         timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
-        run = functools.partial(run_worker, args, tool, "gptq", name, dtype, timeout=timeout)
         with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
-            result, redone = little_steal(run, args.max_steal, args.steal_retries)
-        args.redone += redone
+            result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
         print(f"  {json.dumps(result)}", flush=True)
-        walls.setdefault((tool, load), []).append(result["wall"])
-        runs.setdefault(tool, []).append(result)
-    return {tool: Slowdown(dtype, statistics.median(walls[(tool, "quiet")]), statistics.median(walls[(tool, "loaded")]),
-                           most_stolen(runs[tool]))
+        runs.setdefault((tool, load), []).append(result)
+
+    def wall(tool: str, load: str) -> float:  # a run stopped for its time counts with that time
+        return statistics.median(r["wall"] for r in runs[(tool, load)])
+
+    return {tool: Slowdown(dtype, wall(tool, "quiet"), wall(tool, "loaded"),
+                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]))
             for tool, dtype in cases}
 
 
