@@ -1,0 +1,234 @@
+"""What cheaper AWQ scale searches would choose: each shortcut replayed against the full grid.
+
+ptq's AWQ (ptq.algorithms.awq, loss "linear") scores 1 + n_grid candidate scales per
+smoothing pair, each at out·in² multiply-adds (Σ ΔW ∘ ΔW·G): 21 times what one GPTQ column
+loop over the same weights costs, so the search cannot undercut GPTQ's solves unless it
+scores fewer candidates, or scores them on less. This script measures what that would cost
+in accuracy. It collects each pair's statistics (mean |x| and the Gram matrix G of the
+balance Linears' input) in one full-precision pass over the calibration tokens, computes
+every candidate's loss row by row (float64 sums of the bf16-rounded ΔW and G that ptq's
+search multiplies, for bf16 weights), checks that their smallest is the candidate ptq's own
+awq_search picks, and replays the shortcuts on them:
+
+- rows 1/k, best m: the losses of an evenly strided 1/k of the weight rows rank the
+  candidates; s = 1 and the best m of that ranking are scored in full (cost: 1/k of the
+  grid, plus the m + 1 in full);
+- coarse k: s = 1 and every k-th grid point are scored, then the grid points less than k
+  steps from the best of them (cost: the candidates scored).
+
+For each it prints the candidates scored per pair (in full losses' worth), on how many
+pairs its choice differs from the full grid's, and the regret: how much larger the chosen
+candidate's loss is than the grid's best (worst, and mean over all pairs). Also how flat
+and how bumpy the losses are over the grid: the best against the second best, and how
+many pairs' losses have more than one local minimum along the ratio (a bisection could
+stop at the wrong one).
+
+    python scripts/awq_grid_shortcuts.py                      # the bundled model
+    python scripts/awq_grid_shortcuts.py --model /tmp/ptq-bench-gptq/smollm2 --seq-len 256 --group-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+import ptq
+from ptq.algorithms import awq
+from ptq.arch import block_mappings, find_blocks
+from ptq.calibration.data import calibration_batches
+from ptq.calibration.observers import HessianObserver, MeanAbsObserver
+from ptq.schemes import QuantArgs
+
+Labels = list[tuple[float | None, bool]]  # (ratio, duo) of each candidate: awq.grid_candidates
+
+
+@dataclass
+class Pair:
+    """One smoothing pair: each candidate's squared output error per weight row, [candidates, out]."""
+
+    name: str
+    rows: Tensor
+    labels: Labels
+    searched: int  # the candidate ptq's awq_search chose
+
+
+def choose(losses: Tensor, scored: set[int]) -> int:
+    """The candidate of `scored` with the smallest loss, the first of equal ones (as awq_search)."""
+    return min(sorted(scored), key=lambda c: float(losses[c]))
+
+
+def rows_shortcut(every: int, keep: int) -> Callable[[Tensor, Labels], tuple[set[int], float]]:
+    """Rank on every `every`-th weight row, score s = 1 and the best `keep` of that ranking in full."""
+    def shortcut(rows: Tensor, labels: Labels) -> tuple[set[int], float]:
+        sample = rows[:, ::every].sum(dim=1)  # [candidates]
+        ranked = torch.argsort(sample, stable=True)[:keep].tolist()
+        scored = {0, *ranked}
+        return scored, len(labels) / every + len(scored)
+    return shortcut
+
+
+def coarse_shortcut(step: int) -> Callable[[Tensor, Labels], tuple[set[int], float]]:
+    """Score s = 1 and every `step`-th point of each grid, then the points of the best one's grid
+    less than `step` points from it."""
+    def shortcut(rows: Tensor, labels: Labels) -> tuple[set[int], float]:
+        losses = rows.sum(dim=1)
+        position = _grid_positions(labels)
+        first = {c for c in range(len(labels)) if c == 0 or position[c][1] % step == 0}
+        best = choose(losses, first)
+        near = set()
+        if best:
+            grid, at = position[best]
+            near = {c for c in range(1, len(labels)) if position[c][0] == grid and abs(position[c][1] - at) < step}
+        scored = first | near
+        return scored, float(len(scored))
+    return shortcut
+
+
+def _grid_positions(labels: Labels) -> dict[int, tuple[bool, int]]:
+    """candidate -> (its grid: duo or not, its index along that grid); s = 1 (index 0) has none."""
+    seen: dict[bool, int] = {}
+    position = {}
+    for c, (_, duo) in enumerate(labels[1:], start=1):
+        position[c] = (duo, seen.get(duo, 0))
+        seen[duo] = seen.get(duo, 0) + 1
+    return position
+
+
+def local_minima(losses: Tensor) -> int:
+    """Strict local minima of a loss curve along the ratio (ends included)."""
+    n = len(losses)
+    return sum(1 for i in range(n)
+               if (i == 0 or losses[i] < losses[i - 1]) and (i == n - 1 or losses[i] < losses[i + 1]))
+
+
+@torch.no_grad()
+def row_losses(weights: list[Tensor], gram: Tensor, scales: Tensor, args: QuantArgs,
+               scale_dtype: torch.dtype) -> Tensor:
+    """Σ_j ΔW_j ∘ (ΔW_j·G) per weight row for each candidate scale: [candidates, out], float64,
+    ΔW and G rounded to the weights' dtype first (bf16 or float16 weights) as ptq's search does."""
+    W = torch.cat([w.detach() for w in weights])  # [out, in]
+    G = gram.to(W.dtype).double()  # [in, in]
+    W32 = W.float()
+    found = []
+    for s in scales:
+        delta = (awq.candidate_weights(W, s.unsqueeze(0), args, scale_dtype)[0].float() - W32).to(W.dtype)
+        delta = delta.double()  # [out, in]
+        found.append((delta @ G).mul_(delta).sum(dim=1))
+    return torch.stack(found)  # [candidates, out]
+
+
+@torch.no_grad()
+def collect(model: nn.Module, batches: Tensor, batch_size: int) -> dict[tuple[int, str], tuple]:
+    """(block, pair) -> (ResolvedMapping, MeanAbsObserver, HessianObserver) of every smoothing
+    pair of the model's family table, over one full-precision pass of the batches."""
+    _, blocks = find_blocks(model)
+    found, handles = {}, []
+    for index, block in enumerate(blocks):
+        for m in block_mappings(model, block)[0]:
+            mean, gram = MeanAbsObserver(), HessianObserver()
+            found[(index, m.mapping.describe())] = (m, mean, gram)
+
+            def observe(_module, args, mean=mean, gram=gram):
+                mean.update(args[0])
+                gram.update(args[0])
+            handles.append(m.balance[0].register_forward_pre_hook(observe))
+    try:
+        for batch in batches.split(batch_size):
+            model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def measure(model: nn.Module, batches: Tensor, args: QuantArgs, *, n_grid: int = 20, duo_scaling: bool = True,
+            batch_size: int = 4) -> list[Pair]:
+    """Every pair's per-row candidate losses, and what ptq's awq_search chose for it."""
+    dtype = next(model.parameters()).dtype
+    pairs = []
+    for (index, name), (m, mean, gram) in collect(model, batches, batch_size).items():
+        weights = [b.weight for b in m.balance]
+        G = gram.value * (gram.tokens / 2)  # Σ x xᵀ
+        result = awq.awq_search(mean.value, weights, awq.make_linear_loss(weights, G, gram.tokens, args=args,
+                                scale_dtype=dtype), args=args, n_grid=n_grid, duo_scaling=duo_scaling)
+        scales, labels = awq.grid_candidates(mean.value.float().clamp(min=0), awq.weight_mean(weights, args),
+                                             n_grid, duo_scaling)
+        searched = labels.index((result.ratio, result.duo_scaling if result.ratio is not None else False))
+        pairs.append(Pair(f"{index}: {name}", row_losses(weights, G, scales, args, dtype), labels, searched))
+    return pairs
+
+
+SHORTCUTS = {
+    "rows 1/4, best 4": rows_shortcut(4, 4),
+    "rows 1/8, best 4": rows_shortcut(8, 4),
+    "coarse 2": coarse_shortcut(2),
+    "coarse 3": coarse_shortcut(3),
+    "coarse 4": coarse_shortcut(4),
+}
+
+
+def table(pairs: list[Pair]) -> list[str]:
+    """The shortcuts' cost and accuracy against the full grid, one line each."""
+    lines = [f"{'search':20s} {'scored/pair':>11s} {'changed':>9s} {'worst regret':>13s} {'mean regret':>12s}"]
+    shortcuts = {"full grid": lambda rows, labels: (set(range(len(labels))), float(len(labels)))} | SHORTCUTS
+    for name, shortcut in shortcuts.items():
+        cost, changed, regrets = 0.0, 0, []
+        for pair in pairs:
+            losses = pair.rows.sum(dim=1)
+            best = choose(losses, set(range(len(losses))))
+            scored, spent = shortcut(pair.rows, pair.labels)
+            picked = choose(losses, scored)
+            cost += spent
+            changed += picked != best
+            regrets.append(float(losses[picked] / losses[best] - 1) if losses[best] > 0 else 0.0)
+        lines.append(f"{name:20s} {cost / len(pairs):11.1f} {changed:>4d} of {len(pairs):<3d} "
+                     f"{100 * max(regrets):12.3f}% {100 * sum(regrets) / len(regrets):11.4f}%")
+    return lines
+
+
+def landscape(pairs: list[Pair]) -> str:
+    """How flat and how bumpy the pairs' losses are over the grid."""
+    gaps, bumpy = [], 0
+    for pair in pairs:
+        losses = pair.rows.sum(dim=1)
+        low = losses.sort().values
+        gaps.append(float(low[1] / low[0] - 1) if low[0] > 0 else 0.0)
+        position = _grid_positions(pair.labels)
+        for duo in {d for d, _ in position.values()}:
+            curve = losses[[c for c in sorted(position) if position[c][0] == duo]]
+            bumpy += local_minima(curve) > 1
+    gaps.sort()
+    return (f"second best loss over the best: median +{100 * gaps[len(gaps) // 2]:.3f}%, smallest "
+            f"+{100 * gaps[0]:.4f}%; loss curves along the ratio with more than one local minimum: {bumpy} of "
+            f"{sum(len({d for d, _ in _grid_positions(p.labels).values()}) for p in pairs)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model folder or Hub name (default: the bundled model)")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--n-grid", type=int, default=20)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    model, tokenizer = ptq.load_model(args.model)
+    batches = calibration_batches(tokenizer, "builtin", samples=args.samples, seq_len=args.seq_len, seed=0)
+    scheme = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=args.group_size)
+    pairs = measure(model, batches, scheme, n_grid=args.n_grid)
+    agree = sum(choose(p.rows.sum(dim=1), set(range(len(p.labels)))) == p.searched for p in pairs)
+    print(f"AWQ W4 g{args.group_size} (grid {args.n_grid}, duo scaling, loss: linear) on "
+          f"{args.model or 'the bundled model'}, {args.samples} x {args.seq_len} tokens: {len(pairs)} pairs; "
+          f"the float64 losses' best is ptq's choice on {agree} of them ({time.perf_counter() - start:.0f} s)")
+    print(landscape(pairs))
+    for line in table(pairs):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
