@@ -1,18 +1,22 @@
 """What cheaper AWQ scale searches would choose: each shortcut replayed against the full grid.
 
 ptq's AWQ (ptq.algorithms.awq, loss "linear") scores 1 + n_grid candidate scales per
-smoothing pair, each at out·in² multiply-adds (Σ ΔW ∘ ΔW·G): 21 times what one GPTQ column
-loop over the same weights costs, so the search cannot undercut GPTQ's solves unless it
-scores fewer candidates, or scores them on less. This script measures what that would cost
-in accuracy. It collects each pair's statistics (mean |x| and the Gram matrix G of the
-balance Linears' input) in one full-precision pass over the calibration tokens, computes
+smoothing pair, each by Σ ΔW ∘ (ΔW·G): out·in² multiply-adds, half that where G's symmetry
+is used. GPTQ's column loop over the same weights takes about out·in², so at n_grid 20 the
+search does about 10 times the solves' work (scripts/bench_gptq_vs_llmcompressor.py prints
+both) and cannot undercut them unless it scores fewer candidates, or scores them on less.
+
+This script measures what that would cost in accuracy. It collects each pair's statistics
+(mean |x| and the Gram matrix G of the balance Linears' input) in one full-precision pass
+over the calibration tokens (ptq's pipeline takes each block's after the blocks before it
+are quantized: the same kind of losses, not the same numbers), computes
 every candidate's loss row by row (float64 sums of the bf16-rounded ΔW and G that ptq's
 search multiplies, for bf16 weights), checks that their smallest is the candidate ptq's own
 awq_search picks, and replays the shortcuts on them:
 
 - rows 1/k, best m: the losses of an evenly strided 1/k of the weight rows rank the
   candidates; s = 1 and the best m of that ranking are scored in full (cost: 1/k of the
-  grid, plus the m + 1 in full);
+  grid, plus the m + 1 or fewer in full);
 - coarse k: s = 1 and every k-th grid point are scored, then the grid points less than k
   steps from the best of them (cost: the candidates scored).
 

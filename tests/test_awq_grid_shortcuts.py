@@ -68,7 +68,7 @@ def test_local_minima(shortcuts):
 
 def test_float64_losses_pick_what_ptqs_search_picks(shortcuts, tokenizer):
     """On a tiny random Llama, the row losses' best is the candidate ptq's awq_search chose
-    (its compiled or GEMM loss) on every pair, and s = 1's loss is its baseline."""
+    (from its compiled or GEMM loss) on every pair."""
     from ptq.calibration.data import calibration_batches
 
     model = tiny_model("llama")
