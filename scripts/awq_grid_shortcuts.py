@@ -34,6 +34,7 @@ stop at the wrong one).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ from torch import Tensor, nn
 
 import ptq
 from ptq.algorithms import awq
-from ptq.arch import block_mappings, find_blocks
+from ptq.arch import ResolvedMapping, block_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.observers import HessianObserver, MeanAbsObserver
+from ptq.errors import PtqError
 from ptq.schemes import QuantArgs
 
 Labels = list[tuple[float | None, bool]]  # (ratio, duo) of each candidate: awq.grid_candidates
@@ -126,21 +128,33 @@ def row_losses(weights: list[Tensor], gram: Tensor, scales: Tensor, args: QuantA
     return torch.stack(found)  # [candidates, out]
 
 
-@torch.no_grad()
-def collect(model: nn.Module, batches: Tensor, batch_size: int) -> dict[tuple[int, str], tuple]:
-    """(block, pair) -> (ResolvedMapping, MeanAbsObserver, HessianObserver) of every smoothing
-    pair of the model's family table, over one full-precision pass of the batches."""
+def model_pairs(model: nn.Module, args: QuantArgs) -> list[tuple[int, ResolvedMapping]]:
+    """(block index, pair) of every smoothing pair of the model's family table; PtqError where
+    the group size does not divide a pair's input features."""
     _, blocks = find_blocks(model)
-    found, handles = {}, []
-    for index, block in enumerate(blocks):
-        for m in block_mappings(model, block)[0]:
-            mean, gram = MeanAbsObserver(), HessianObserver()
-            found[(index, m.mapping.describe())] = (m, mean, gram)
+    pairs = [(index, m) for index, block in enumerate(blocks) for m in block_mappings(model, block)[0]]
+    for index, m in pairs:
+        features = m.balance[0].in_features
+        if args.strategy == "group" and features % args.group_size:
+            raise PtqError(f"group size {args.group_size} does not divide the {features} input features of "
+                           f"block {index}'s {m.mapping.describe()}; give --group-size a divisor of {features}")
+    return pairs
 
-            def observe(_module, args, mean=mean, gram=gram):
-                mean.update(args[0])
-                gram.update(args[0])
-            handles.append(m.balance[0].register_forward_pre_hook(observe))
+
+@torch.no_grad()
+def collect(model: nn.Module, pairs: list[tuple[int, ResolvedMapping]], batches: Tensor,
+            batch_size: int) -> list[tuple[str, ResolvedMapping, MeanAbsObserver, HessianObserver]]:
+    """Each pair's name, mean |x| and Gram matrix of its balance Linears' input, over one
+    full-precision pass of the batches."""
+    found, handles = [], []
+    for index, m in pairs:
+        mean, gram = MeanAbsObserver(), HessianObserver()
+        found.append((f"{index}: {m.mapping.describe()}", m, mean, gram))
+
+        def observe(_module, args, mean=mean, gram=gram):
+            mean.update(args[0])
+            gram.update(args[0])
+        handles.append(m.balance[0].register_forward_pre_hook(observe))
     try:
         for batch in batches.split(batch_size):
             model(batch)
@@ -155,7 +169,7 @@ def measure(model: nn.Module, batches: Tensor, args: QuantArgs, *, n_grid: int =
     """Every pair's per-row candidate losses, and what ptq's awq_search chose for it."""
     dtype = next(model.parameters()).dtype
     pairs = []
-    for (index, name), (m, mean, gram) in collect(model, batches, batch_size).items():
+    for name, m, mean, gram in collect(model, model_pairs(model, args), batches, batch_size):
         weights = [b.weight for b in m.balance]
         G = gram.value * (gram.tokens / 2)  # Σ x xᵀ
         result = awq.awq_search(mean.value, weights, awq.make_linear_loss(weights, G, gram.tokens, args=args,
@@ -163,7 +177,7 @@ def measure(model: nn.Module, batches: Tensor, args: QuantArgs, *, n_grid: int =
         scales, labels = awq.grid_candidates(mean.value.float().clamp(min=0), awq.weight_mean(weights, args),
                                              n_grid, duo_scaling)
         searched = labels.index((result.ratio, result.duo_scaling if result.ratio is not None else False))
-        pairs.append(Pair(f"{index}: {name}", row_losses(weights, G, scales, args, dtype), labels, searched))
+        pairs.append(Pair(name, row_losses(weights, G, scales, args, dtype), labels, searched))
     return pairs
 
 
@@ -221,10 +235,17 @@ def main() -> None:
     parser.add_argument("--n-grid", type=int, default=20)
     args = parser.parse_args()
     start = time.perf_counter()
-    model, tokenizer = ptq.load_model(args.model)
-    batches = calibration_batches(tokenizer, "builtin", samples=args.samples, seq_len=args.seq_len, seed=0)
-    scheme = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=args.group_size)
-    pairs = measure(model, batches, scheme, n_grid=args.n_grid)
+    try:
+        if min(args.samples, args.seq_len, args.group_size, args.n_grid) < 1:
+            raise PtqError("--samples, --seq-len, --group-size and --n-grid take positive numbers")
+        scheme = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=args.group_size)
+        model, tokenizer = ptq.load_model(args.model)
+        model_pairs(model, scheme)  # before the pass: a group size that does not fit stops it here
+        batches = calibration_batches(tokenizer, "builtin", samples=args.samples, seq_len=args.seq_len, seed=0)
+        pairs = measure(model, batches, scheme, n_grid=args.n_grid)
+    except PtqError as e:  # one line, exit code 2, as ptq's CLI
+        print(f"awq_grid_shortcuts: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     agree = sum(choose(p.rows.sum(dim=1), set(range(len(p.labels)))) == p.searched for p in pairs)
     print(f"AWQ W4 g{args.group_size} (grid {args.n_grid}, duo scaling, loss: linear) on "
           f"{args.model or 'the bundled model'}, {args.samples} x {args.seq_len} tokens: {len(pairs)} pairs; "

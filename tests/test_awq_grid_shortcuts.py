@@ -79,3 +79,11 @@ def test_float64_losses_pick_what_ptqs_search_picks(shortcuts, tokenizer):
     for pair in pairs:
         assert pair.rows.shape[0] == 9 and (pair.rows >= 0).all()
         assert shortcuts.choose(pair.rows.sum(1), set(range(9))) == pair.searched, pair.name
+
+
+def test_a_group_size_that_does_not_divide_a_pair_stops_before_the_pass(shortcuts):
+    from ptq.errors import PtqError
+
+    args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=96)  # 128 features
+    with pytest.raises(PtqError, match="group size 96 does not divide the 128 input features of block 0's"):
+        shortcuts.model_pairs(tiny_model("llama"), args)
