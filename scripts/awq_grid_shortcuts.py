@@ -27,7 +27,7 @@ and how bumpy the losses are over the grid: the best against the second best, an
 many pairs' losses have more than one local minimum along the ratio (a bisection could
 stop at the wrong one).
 
-It keeps every pair's Gram matrix until the pass ends (30 x 13 MB on the SmolLM2-shaped
+It keeps every pair's Gram matrix until the pass ends (about 12 MB a block on the SmolLM2-shaped
 model): meant for small models, not for an 8B one.
 
     python scripts/awq_grid_shortcuts.py                      # the bundled model
