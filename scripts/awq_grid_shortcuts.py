@@ -14,8 +14,9 @@ every candidate's loss row by row (float64 sums of the bf16-rounded ΔW and G th
 search multiplies, for bf16 weights), checks that their smallest is the candidate ptq's own
 awq_search picks, and replays the shortcuts on them:
 
-- rows 1/k, best m: the losses of an evenly strided 1/k of the weight rows rank the
-  candidates; s = 1 and the best m of that ranking are scored in full (cost: 1/k of the
+- rows 1/k, best m: the losses of an evenly strided 1/k of the weight rows (or of whole
+  blocks of 32 rows, the form ptq's compiled quadratic form could take) rank the candidates;
+  s = 1 and the best m of that ranking are scored in full (cost: the sampled share of the
   grid, plus the m + 1 or fewer in full);
 - coarse k: s = 1 and every k-th grid point are scored, then the grid points less than k
   steps from the best of them (cost: the candidates scored).
@@ -71,13 +72,16 @@ def choose(losses: Tensor, scored: set[int]) -> int:
     return min(sorted(scored), key=lambda c: float(losses[c]))
 
 
-def rows_shortcut(every: int, keep: int) -> Callable[[Tensor, Labels], tuple[set[int], float]]:
-    """Rank on every `every`-th weight row, score s = 1 and the best `keep` of that ranking in full."""
+def rows_shortcut(every: int, keep: int, block: int = 1) -> Callable[[Tensor, Labels], tuple[set[int], float]]:
+    """Rank on every `every`-th block of `block` weight rows (block 1: every `every`-th row; 32:
+    whole blocks, as ptq's compiled quadratic form takes rows), score s = 1 and the best `keep`
+    of that ranking in full."""
     def shortcut(rows: Tensor, labels: Labels) -> tuple[set[int], float]:
-        sample = rows[:, ::every].sum(dim=1)  # [candidates]
+        taken = (torch.arange(rows.shape[1]) // block) % every == 0  # [out]
+        sample = rows[:, taken].sum(dim=1)  # [candidates]
         ranked = torch.argsort(sample, stable=True)[:keep].tolist()
         scored = {0, *ranked}
-        return scored, len(labels) / every + len(scored)
+        return scored, len(labels) * float(taken.float().mean()) + len(scored)
     return shortcut
 
 
@@ -187,6 +191,7 @@ def measure(model: nn.Module, batches: Tensor, args: QuantArgs, *, n_grid: int =
 SHORTCUTS = {
     "rows 1/4, best 4": rows_shortcut(4, 4),
     "rows 1/8, best 4": rows_shortcut(8, 4),
+    "32-row blocks 1/8, 4": rows_shortcut(8, 4, block=32),
     "coarse 2": coarse_shortcut(2),
     "coarse 3": coarse_shortcut(3),
     "coarse 4": coarse_shortcut(4),

@@ -87,3 +87,13 @@ def test_a_group_size_that_does_not_divide_a_pair_stops_before_the_pass(shortcut
     args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=96)  # 128 features
     with pytest.raises(PtqError, match="group size 96 does not divide the 128 input features of block 0's"):
         shortcuts.model_pairs(tiny_model("llama"), args)
+
+
+def test_block_sample_takes_whole_blocks_of_rows(shortcuts):
+    rows = torch.zeros(3, 64, dtype=torch.float64)
+    rows[0] = 1.0  # 64
+    rows[1] = 0.5  # 32
+    rows[2, :32] = 0.6  # 19.2: the best, but not on the sampled block (rows 0-31)
+    scored, cost = shortcuts.rows_shortcut(2, 1, block=32)(rows, GRID[:3])
+    assert scored == {0, 1} and cost == 3 * 0.5 + 2
+    assert shortcuts.choose(rows.sum(1), scored) == 1
