@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -65,6 +66,16 @@ class Pair:
     rows: Tensor
     labels: Labels
     searched: int  # the candidate ptq's awq_search chose
+
+    @cached_property
+    def losses(self) -> Tensor:
+        """Each candidate's loss over all rows, [candidates]."""
+        return self.rows.sum(dim=1)
+
+    @cached_property
+    def best(self) -> int:
+        """The full grid's choice."""
+        return choose(self.losses, set(range(len(self.labels))))
 
 
 def choose(losses: Tensor, scored: set[int]) -> int:
@@ -173,7 +184,8 @@ def collect(model: nn.Module, pairs: list[tuple[int, ResolvedMapping]], batches:
 
 def measure(model: nn.Module, batches: Tensor, args: QuantArgs, *, n_grid: int = 20, duo_scaling: bool = True,
             batch_size: int = 4) -> list[Pair]:
-    """Every pair's per-row candidate losses, and what ptq's awq_search chose for it."""
+    """Every pair's per-row candidate losses, and what ptq's awq_search chose for it (PtqError
+    before the pass where the group size does not fit a pair: model_pairs)."""
     dtype = next(model.parameters()).dtype
     pairs = []
     for name, m, mean, gram in collect(model, model_pairs(model, args), batches, batch_size):
@@ -205,8 +217,7 @@ def table(pairs: list[Pair]) -> list[str]:
     for name, shortcut in shortcuts.items():
         cost, changed, regrets = 0.0, 0, []
         for pair in pairs:
-            losses = pair.rows.sum(dim=1)
-            best = choose(losses, set(range(len(losses))))
+            losses, best = pair.losses, pair.best
             scored, spent = shortcut(pair.rows, pair.labels)
             picked = choose(losses, scored)
             cost += spent
@@ -219,19 +230,19 @@ def table(pairs: list[Pair]) -> list[str]:
 
 def landscape(pairs: list[Pair]) -> str:
     """How flat and how bumpy the pairs' losses are over the grid."""
-    gaps, bumpy = [], 0
+    gaps, bumpy, curves = [], 0, 0
     for pair in pairs:
-        losses = pair.rows.sum(dim=1)
-        low = losses.sort().values
+        low = pair.losses.sort().values
         gaps.append(float(low[1] / low[0] - 1) if low[0] > 0 else 0.0)
         position = _grid_positions(pair.labels)
         for duo in {d for d, _ in position.values()}:
-            curve = losses[[c for c in sorted(position) if position[c][0] == duo]]
+            curve = pair.losses[[c for c in sorted(position) if position[c][0] == duo]]
             bumpy += local_minima(curve) > 1
+            curves += 1
     gaps.sort()
     return (f"second best loss over the best: median +{100 * gaps[len(gaps) // 2]:.3f}%, smallest "
             f"+{100 * gaps[0]:.4f}%; loss curves along the ratio with more than one local minimum: {bumpy} of "
-            f"{sum(len({d for d, _ in _grid_positions(p.labels).values()}) for p in pairs)}")
+            f"{curves}")
 
 
 def main() -> None:
@@ -248,13 +259,12 @@ def main() -> None:
             raise PtqError("--samples, --seq-len, --group-size and --n-grid take positive numbers")
         scheme = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=args.group_size)
         model, tokenizer = ptq.load_model(args.model)
-        model_pairs(model, scheme)  # before the pass: a group size that does not fit stops it here
         batches = calibration_batches(tokenizer, "builtin", samples=args.samples, seq_len=args.seq_len, seed=0)
         pairs = measure(model, batches, scheme, n_grid=args.n_grid)
     except PtqError as e:  # one line, exit code 2, as ptq's CLI
         print(f"awq_grid_shortcuts: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    agree = sum(choose(p.rows.sum(dim=1), set(range(len(p.labels)))) == p.searched for p in pairs)
+    agree = sum(p.best == p.searched for p in pairs)
     print(f"AWQ W4 g{args.group_size} (grid {args.n_grid}, duo scaling, loss: linear) on "
           f"{args.model or 'the bundled model'}, {args.samples} x {args.seq_len} tokens: {len(pairs)} pairs; "
           f"the float64 losses' best is ptq's choice on {agree} of them ({time.perf_counter() - start:.0f} s)")
