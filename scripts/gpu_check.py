@@ -20,10 +20,12 @@ Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -32,17 +34,24 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_TIMEOUT_S = 300
 
 
-def step_tests() -> bool:
-    """pytest tests/kernels in a subprocess; prints its summary lines and any failure summary."""
+def step_tests(log_dir: Path | None = None) -> bool:
+    """pytest tests/kernels in a subprocess; prints its summary lines and any failure summary, and
+    writes its whole output to log_dir/pytest_kernels.log when log_dir is given."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compile for the GPU
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
+    if importlib.util.find_spec("xdist") is not None:  # compiling the tests' kernels dominates: spread it
+        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # a hung kernel fails its test, not the run
+        cmd += ["--timeout", "120"]
     try:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         print(f"  FAILED: pytest did not finish within {TEST_TIMEOUT_S} s")
         return False
     lines = (done.stdout + done.stderr).strip().splitlines()
+    if log_dir is not None:
+        (log_dir / "pytest_kernels.log").write_text("\n".join(lines) + "\n")
     keep = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln
             or " error" in ln]
     for ln in (keep or lines[-15:])[-25:]:
@@ -197,11 +206,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
     parser.add_argument("--skip-tests", action="store_true", help="skip step 1")
+    parser.add_argument("--steps", default="1,2,2b,3,4,5",
+                        help="the steps to run, in this order, comma-separated (default: all, 1,2,2b,3,4,5)")
+    parser.add_argument("--log-dir", type=Path, help="a folder for the kernel tests' whole output (step 1)")
     parser.add_argument("--gptq-layers", type=int, default=8, help="layers of the Llama-3-8B-shaped GPTQ (step 5)")
     parser.add_argument("--dry-run-gptq", action="store_true", help="run step 5's code path on the CPU, tiny sizes")
     parser.add_argument("--dry-run-model", action="store_true",
                         help="run step 3's code path on the CPU (needs TRITON_INTERPRET=1), tiny sizes")
     args = parser.parse_args(argv)
+    all_steps = {
+        "1": ("1 kernel tests", lambda: step_tests(args.log_dir)),
+        "2": ("2 benchmark + autotuned check", lambda: step_bench(args.quick)),
+        "2b": ("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)),
+        "3": ("3 bundled model with kernels", step_model),
+        "4": ("4 engine benchmark vs ptq plan's bounds", step_engine),
+        "5": ("5 GPTQ on a Llama-3-8B shape", lambda: step_gptq_8b(args.gptq_layers)),
+    }
+    wanted = [key.strip() for key in args.steps.split(",") if key.strip()]
+    unknown = [key for key in wanted if key not in all_steps]
+    if unknown or not wanted:
+        parser.error(f"--steps {args.steps!r}: unknown step(s) {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(all_steps)}")
+    steps = [all_steps[key] for key in wanted if not (args.skip_tests and key == "1")]
     if args.dry_run_model:
         return 0 if step_model("cpu", n_windows=1, seq_len=16, new_tokens=2) else 1
     if args.dry_run_gptq:
@@ -224,12 +250,6 @@ def main(argv=None) -> int:
     print(f"gpu_check: {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__}")
     results = {}
-    steps = [("1 kernel tests", step_tests)] if not args.skip_tests else []
-    steps.append(("2 benchmark + autotuned check", lambda: step_bench(args.quick)))
-    steps.append(("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)))
-    steps.append(("3 bundled model with kernels", step_model))
-    steps.append(("4 engine benchmark vs ptq plan's bounds", step_engine))
-    steps.append(("5 GPTQ on a Llama-3-8B shape", lambda: step_gptq_8b(args.gptq_layers)))
     for name, step in steps:
         print(f"[{name}]")
         start = time.time()
@@ -237,6 +257,8 @@ def main(argv=None) -> int:
             results[name] = step()
         except Exception as exc:  # report the failing step and go on to the next one
             print(f"  FAILED with {type(exc).__name__}: {exc}")
+            trace = traceback.format_exc().rstrip().splitlines()  # where: the report is all a lease brings back
+            print("    " + "\n    ".join(trace[-24:]))
             results[name] = False
         print(f"  ({time.time() - start:.0f} s)")
     print("gpu_check summary: " + ", ".join(f"{n}: {'ok' if r else 'FAILED'}" for n, r in results.items()))

@@ -5,12 +5,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET  # the point is to compile for the GPU
+PY="${PYTHON:-$(command -v python || command -v python3)}"  # some images have only python3
 
-if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  if ! python -c "import ptq.kernels" 2>/dev/null; then
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if ! "$PY" -c "import ptq.kernels" 2>/dev/null; then
     echo "gpu_check: ptq is not importable; installing it editable (offline, no dependencies)"
-    pip install --quiet --no-deps --no-build-isolation -e . \
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
       || { echo "gpu_check: 'pip install -e .' failed; install ptq and rerun"; exit 2; }
   fi
 fi
-exec python scripts/gpu_check.py "$@"
+exec "$PY" scripts/gpu_check.py "$@"
