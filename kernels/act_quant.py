@@ -70,6 +70,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
         tl.store(q_ptr + row * stride_qm + offs, v.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
+def true_divide(x, value: float):
+    """x / value rounded as IEEE division, on any device. Torch on CUDA multiplies by the
+    reciprocal when the divisor is a Python number (a bit off now and then: the first GPU
+    run's fp32 scales differed from the kernel's div_rn); a divisor tensor on x's device
+    takes the division itself. The references' per-token scales use this."""
+    return x / torch.tensor(value, dtype=x.dtype, device=x.device)
+
+
 def check_input(x) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")

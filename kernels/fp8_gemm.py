@@ -35,7 +35,7 @@ import os
 import torch
 import triton.language as tl
 
-from .act_quant import FP8_DTYPE, FP8_MAX, check_input, check_static_scale, quantize_rows
+from .act_quant import FP8_DTYPE, FP8_MAX, check_input, check_static_scale, quantize_rows, true_divide
 from .int8_gemm import check_scaled_mm_inputs, scaled_mm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -75,7 +75,7 @@ def quantize_static_fp8(x, scale):
 
 def quantize_per_token_fp8_reference(x):
     x = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-    scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX.value  # [M, 1]
+    scale = true_divide(x.abs().amax(dim=1, keepdim=True), FP8_MAX.value)  # [M, 1]
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return (x / scale).clamp(-FP8_MAX.value, FP8_MAX.value).to(FP8_DTYPE), scale
 

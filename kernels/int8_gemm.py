@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import INT8_MAX, check_input, check_static_scale, quantize_rows
+from .act_quant import INT8_MAX, check_input, check_static_scale, quantize_rows, true_divide
 from .tiles import grouped_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -69,7 +69,7 @@ def quantize_static_int8(x, scale):
 
 def quantize_per_token_int8_reference(x):
     x = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-    scale = x.abs().amax(dim=1, keepdim=True) / INT8_MAX.value  # [M, 1]
+    scale = true_divide(x.abs().amax(dim=1, keepdim=True), INT8_MAX.value)  # [M, 1]
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
 

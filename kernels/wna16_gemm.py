@@ -50,6 +50,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .tiles import grouped_tile
 
@@ -213,10 +214,32 @@ def _prune_tall_tiles(configs, named_args, **kwargs):
 
 
 _KEY = ["M_BUCKET", "N", "K"]
-_wna16_decode = triton.autotune(_decode_configs(), key=_KEY, reset_to_zero=["y_ptr"],
-                                do_bench=_quick_bench)(_wna16_gemm_kernel)
-_wna16_prefill = triton.autotune(_prefill_configs(), key=_KEY, do_bench=_quick_bench,
-                                 prune_configs_by={"early_config_prune": _prune_tall_tiles})(_wna16_gemm_kernel)
+
+# Pipelining keeps num_stages copies of a K step's tiles in shared memory. Where groups change
+# inside a tile (group_size < BLOCK_K, or act-order), the scales (and zero points) are gathered
+# per element, a [BLOCK_K, BLOCK_N] tile each; with fp32 x on top, the default 4 stages need
+# up to 450 KB against the H200's 227 KB (seen on the first GPU run: OutOfResources at launch).
+# The wrapper then launches the same configs with fewer stages, and remembers which fitted.
+_STAGE_CAPS = (None, 2, 1)  # None: the configs as listed
+_launchers: dict[tuple[bool, int | None], object] = {}
+_stage_cap: dict[tuple, int | None] = {}  # the kernel's specialisation -> the cap that fitted
+
+
+def _launcher(decode: bool, cap: int | None):
+    """The autotuned decode or prefill launcher, each config's num_stages at most cap."""
+    key = (decode, cap)
+    if key not in _launchers:
+        configs = _decode_configs() if decode else _prefill_configs()
+        if cap is not None:
+            configs = [triton.Config(c.kwargs, num_stages=min(c.num_stages, cap), num_warps=c.num_warps)
+                       for c in configs]
+        if decode:  # split-K adds into y: each timed config starts from zeros
+            tuned = triton.autotune(configs, key=_KEY, reset_to_zero=["y_ptr"], do_bench=_quick_bench)
+        else:
+            tuned = triton.autotune(configs, key=_KEY, do_bench=_quick_bench,
+                                    prune_configs_by={"early_config_prune": _prune_tall_tiles})
+        _launchers[key] = tuned(_wna16_gemm_kernel)
+    return _launchers[key]
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -306,16 +329,24 @@ def wna16_matmul(x, weight_packed, weight_scale, *, bits, group_size, weight_zer
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     dot_dtype = _dot_dtype(x.dtype)
-    launcher = _wna16_decode if decode else _wna16_prefill
-    launcher[grid](
-        x2, w, s, z, g, bias if bias is not None else s, y,
-        M, N, K, w.shape[1], triton.next_power_of_2(M),
-        x2.stride(0), x2.stride(1), w.stride(0), s.stride(0), s.stride(1), z.stride(0), z.stride(1),
-        y.stride(0), y.stride(1),
-        BITS=bits, GROUP_SIZE=group_size, HAS_ZP=weight_zero_point is not None,
-        HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-    )
+    args = (x2, w, s, z, g, bias if bias is not None else s, y,
+            M, N, K, w.shape[1], triton.next_power_of_2(M),
+            x2.stride(0), x2.stride(1), w.stride(0), s.stride(0), s.stride(1), z.stride(0), z.stride(1),
+            y.stride(0), y.stride(1))
+    meta = dict(BITS=bits, GROUP_SIZE=group_size, HAS_ZP=weight_zero_point is not None,
+                HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
+                DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+    specialisation = (decode, x.dtype, s.dtype, z.dtype, *meta.items())
+    caps = (_stage_cap[specialisation],) if specialisation in _stage_cap else _STAGE_CAPS
+    for cap in caps:
+        try:  # OutOfResources comes from loading the compiled kernel, before anything runs
+            _launcher(decode, cap)[grid](*args, **meta)
+        except OutOfResources:
+            if cap == caps[-1]:
+                raise
+            continue
+        _stage_cap[specialisation] = cap
+        break
     return y.to(x.dtype).reshape(*lead, N)
 
 

@@ -197,9 +197,10 @@ def step_engine() -> bool:
 
 
 def step_gptq_8b(layers: int) -> bool:
-    from gpu_gptq_8b import gptq_8b
+    from gpu_gptq_8b import gptq_8b, hessian_check
 
-    return gptq_8b("cuda", layers=layers)
+    accurate = hessian_check("cuda")
+    return gptq_8b("cuda", layers=layers) and accurate
 
 
 def main(argv=None) -> int:

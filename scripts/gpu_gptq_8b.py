@@ -23,6 +23,37 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 GOAL_S = 300.0
 
 
+def hessian_check(device: str = "cuda", tokens: int = 16384, features: int = 4096, wide: int = 14336) -> bool:
+    """HessianObserver on bf16 inputs (ptq's GPU path: GEMMs with float32 output where torch has
+    them) against float64 sums of the same values; and the time of one wide batch both ways."""
+    from ptq.calibration.observers import HessianObserver, mixed_gram_available
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(tokens, features, generator=gen, device=device) * 3).to(torch.bfloat16)
+    observer = HessianObserver()
+    observer.update(x[: tokens // 2])
+    observer.update(x[tokens // 2:])
+    ref = (x.double().t() @ x.double()) * (2.0 / tokens)
+    err = ((observer.value.double() - ref).norm() / ref.norm()).item()
+    good = err < 1e-5  # float32 sums of exact products; a bf16 GEMM's bf16 output would be ~1e-3
+    wide_x = torch.randn(tokens, wide, generator=gen, device=device).to(torch.bfloat16)
+    times = {}
+    for label, batch in (("bf16 in, float32 out", wide_x), ("float32", wide_x.float())):
+        h = HessianObserver()
+        h.update(batch)  # warm-up: allocation, cuBLAS handles
+        h = HessianObserver()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        h.update(batch)
+        end.record()
+        torch.cuda.synchronize()
+        times[label] = start.elapsed_time(end) / 1e3
+    print(f"  Hessian on the GPU ({'GEMMs with float32 output' if mixed_gram_available(x) else 'float32 GEMMs'}):"
+          f" rel err vs float64 {err:.1e} {'ok' if good else 'FAIL'}; one batch of {tokens} x {wide}: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+    return good
+
+
 def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: int = 2048,
             shape: dict | None = None) -> bool:
     import transformers

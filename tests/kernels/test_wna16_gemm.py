@@ -180,3 +180,58 @@ def test_cpu_tensor_without_interpreter_raises(monkeypatch):
     layer = make_layer(48, 128, 4, 32, False, False, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match=r"needs a CUDA tensor.*wna16_matmul_reference"):
         wna16_matmul(torch.randn(2, 128), layer["weight_packed"], layer["weight_scale"], bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("M", [1, 33], ids=["decode", "prefill"])
+def test_fewer_stages_when_shared_memory_runs_out(monkeypatch, M, device):
+    """A config whose pipelined tiles exceed shared memory (OutOfResources when the compiled
+    kernel loads: fp32 x with per-element scales on an H200) runs again with at most 2 stages,
+    and that cap is kept for the kernel's specialisation. The GPU's limit is faked here."""
+    from triton.runtime.errors import OutOfResources
+
+    real, tried = wna16_gemm._launcher, []
+
+    def launcher(decode, cap):
+        tried.append(cap)
+        if cap is None:  # the configs as listed: "too large"
+            def fail(*args, **kwargs):
+                raise OutOfResources(450560, 232448, "shared memory")
+            return _Subscriptable(fail)
+        return real(decode, cap)
+
+    monkeypatch.setattr(wna16_gemm, "_launcher", launcher)
+    monkeypatch.setattr(wna16_gemm, "_stage_cap", {})
+    layer = make_layer(80, 256, 4, 32, True, False, torch.float32, device)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    assert_matches(*run_both(x, layer, 4, 32))
+    assert tried == [None, 2]
+    assert_matches(*run_both(x, layer, 4, 32))  # remembered: straight to the cap that fitted
+    assert tried == [None, 2, 2]
+    layer8 = make_layer(80, 256, 8, 32, True, False, torch.float32, device)
+    assert_matches(*run_both(x, layer8, 8, 32))  # another specialisation tries from the start
+    assert tried == [None, 2, 2, None, 2]
+
+
+def test_out_of_resources_at_every_cap_is_raised(monkeypatch, device):
+    from triton.runtime.errors import OutOfResources
+
+    def fail(*args, **kwargs):
+        raise OutOfResources(450560, 232448, "shared memory")
+
+    monkeypatch.setattr(wna16_gemm, "_launcher", lambda decode, cap: _Subscriptable(fail))
+    monkeypatch.setattr(wna16_gemm, "_stage_cap", {})
+    layer = make_layer(80, 256, 4, 32, True, False, torch.float32, device)
+    with pytest.raises(OutOfResources):
+        wna16_matmul(torch.randn(1, 256).to(device), layer["weight_packed"], layer["weight_scale"], bits=4,
+                     group_size=32, weight_zero_point=layer["weight_zero_point"])
+    assert wna16_gemm._stage_cap == {}
+
+
+class _Subscriptable:
+    """Stands in for an autotuned launcher: launcher[grid](*args, **meta) calls fn."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
