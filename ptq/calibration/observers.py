@@ -222,11 +222,12 @@ def _mixed_gram_on(device: torch.device, dtype: torch.dtype) -> bool:
 def mixed_gram_available(x: Tensor) -> bool:
     """Whether xᵀx of x (bf16 or fp16, on a GPU) runs as one GEMM of x's dtype with float32
     output (torch.mm's out_dtype): products of bf16 or fp16 values are exact in float32 and
-    the tensor cores sum them in float32, so H is what the float32 GEMM of the upcast x
-    gives, up to the order of the sums, at the half-precision rate. float32 GEMMs run on
-    the CUDA cores: on the first GPU run (H200, Llama-3-8B shapes, 512 x 2048 tokens, 8
-    layers) the calibration passes took 70 s beside 39 s of solves, and by the FLOP count
-    (3.2e14 a layer in the Hessians) at float32's ~50 TFLOP/s most of it was these GEMMs."""
+    the tensor cores add them up in float32. Measured on an H200 (torch 2.11, 16384 tokens
+    of 4096 features, scripts/gpu_gptq_8b.py): relative error 2.1e-5 against float64 sums,
+    where a CPU's float32 GEMM of the same values gives 2.9e-7 and bf16 output 1.9e-3, far
+    below GPTQ's 1% dampening; one batch of 16384 x 14336 took 6.0 ms against 67.1 ms as
+    float32 GEMMs (CUDA cores); the Llama-3-8B-shaped GPTQ took 10.6 s a layer over 4 layers
+    with it, 13.8 s a layer over 8 before (the passes beside the solves: 5.5 against 8.8 s)."""
     return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cuda" and _mixed_gram_on(x.device, x.dtype)
 
 
