@@ -9,9 +9,12 @@
        generate text, and compare the kernels' logits with the dequantized torch reference
     4. the engine benchmark (ptq bench --engine): generate() on the bundled model, TTFT / TPOT beside
        ptq plan's bounds for this GPU
-    5. GPTQ W4A16 on a Llama-3-8B-shaped model, 512 x 2048 tokens (scripts/gpu_gptq_8b.py): 8 of
-       its 32 layers by default (--gptq-layers 32 for all), the 32-layer time estimated against
-       the 5-minute goal (about 1-2 minutes)
+    5. GPTQ on the GPU: the Hessian of bf16 inputs against float64, the Triton column loop
+       (PTQ_GPTQ_LOOP=triton, opt-in until this step passes on a GPU) against the torch loop;
+       then W4A16 on a Llama-3-8B-shaped model, 512 x 2048 tokens (scripts/gpu_gptq_8b.py), with
+       the torch loop and, where the Triton loop matched it, with that one: 8 of its 32 layers by
+       default (--gptq-layers 32 for all), the 32-layer time estimated against the 5-minute goal
+       (about 1-2 minutes each)
 
 Run it from the repository root: `bash scripts/gpu_check.sh` (or `python scripts/gpu_check.py`).
 Without a CUDA GPU it prints why and exits 2. Exit status 1 when a step failed, 0 otherwise.
@@ -197,10 +200,22 @@ def step_engine() -> bool:
 
 
 def step_gptq_8b(layers: int) -> bool:
-    from gpu_gptq_8b import gptq_8b, hessian_check
+    """The Hessian and column-loop checks, then the 8B-shaped GPTQ with the default (torch) loop
+    and, where the Triton loop matched it, again with that one (PTQ_GPTQ_LOOP=triton)."""
+    from gpu_gptq_8b import gptq_8b, hessian_check, loop_check
 
     accurate = hessian_check("cuda")
-    return gptq_8b("cuda", layers=layers) and accurate
+    loop_ok = loop_check("cuda")
+    print("  with the torch column loop (the default):")
+    met = gptq_8b("cuda", layers=layers)
+    if loop_ok:
+        print("  with the Triton column loop (PTQ_GPTQ_LOOP=triton):")
+        os.environ["PTQ_GPTQ_LOOP"] = "triton"
+        try:
+            met = gptq_8b("cuda", layers=layers) or met
+        finally:
+            os.environ.pop("PTQ_GPTQ_LOOP", None)
+    return met and accurate and loop_ok
 
 
 def main(argv=None) -> int:

@@ -59,6 +59,51 @@ def hessian_check(device: str = "cuda", tokens: int = 16384, features: int = 409
     return good
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def loop_check(device: str = "cuda", rows: int = 6144, cols: int = 4096, tokens: int = 8192) -> bool:
+    """GPTQ's Triton column loop (PTQ_GPTQ_LOOP=triton) against the torch loop on the GPU, on a
+    q/k/v-shaped solve of a Hessian from random correlated activations: the share of equal
+    codes, both losses and both times (the tests compare the two on a CPU, the kernel
+    interpreted)."""
+    import os
+
+    from ptq.algorithms.gptq import gptq
+    from ptq.schemes import QuantArgs
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, cols, generator=gen, device=device)
+    x = x @ (torch.eye(cols, device=device) + torch.randn(cols, cols, generator=gen, device=device) / cols**0.5)
+    H = (x.t() @ x) * (2.0 / tokens)
+    W = torch.randn(rows, cols, generator=gen, device=device) / cols**0.5
+    args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=128)
+    results, times = {}, {}
+    before = os.environ.get("PTQ_GPTQ_LOOP")
+    try:
+        for loop in ("torch", "triton", "triton"):  # the second triton run is timed without compiling
+            os.environ["PTQ_GPTQ_LOOP"] = loop
+            _sync(device)
+            start = time.perf_counter()
+            results[loop] = gptq(W, H, args, scale_dtype=torch.bfloat16)
+            _sync(device)
+            times[loop] = time.perf_counter() - start
+    finally:
+        if before is None:
+            os.environ.pop("PTQ_GPTQ_LOOP", None)
+        else:
+            os.environ["PTQ_GPTQ_LOOP"] = before
+    same = (results["torch"].weight.q == results["triton"].weight.q).float().mean().item()
+    loss_gap = abs(results["triton"].error / results["torch"].error - 1)
+    good = same >= 0.999 and loss_gap < 1e-4  # what tests/kernels/test_gptq_triton.py asks on a CPU
+    print(f"  GPTQ column loop, W [{rows}, {cols}] W4 g128: Triton loop {times['triton']:.2f} s against torch "
+          f"{times['torch']:.2f} s; equal codes {100 * same:.3f}%, loss {results['triton'].error:.6g} vs "
+          f"{results['torch'].error:.6g} {'ok' if good else 'FAIL'}")
+    return good
+
+
 def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: int = 2048,
             shape: dict | None = None) -> bool:
     import transformers

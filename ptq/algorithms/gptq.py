@@ -327,7 +327,9 @@ def _solve(
     """The column loop over Wt [in, out] (consumed), filling the grid: Qt [in, out] and Σ Losses.
 
     On a CPU, integer weights take the compiled loop (gptq_loop.c, via gptq_compiled) when
-    it was built: the same steps without an op dispatched per column."""
+    it was built: the same steps without an op dispatched per column; on a GPU, with
+    PTQ_GPTQ_LOOP=triton, the Triton loop (gptq_triton: a launch per run of columns between
+    group fits)."""
     cols, rows = Wt.shape
     device = Wt.device
     members_dev = members.to(device)
@@ -340,7 +342,15 @@ def _solve(
         grid.fit_(slice(None), Wt[members_dev], members_dev)
     else:
         first = {p: g for g, p in enumerate(members[:, 0].tolist())}
-    if loop_for(device, grid.args, grid.scale_dtype) == "compiled":
+    loop = loop_for(device, grid.args, grid.scale_dtype)
+    if loop == "triton":
+        from ptq.algorithms import gptq_triton  # imports triton: only where it runs
+
+        if gptq_triton.applies(grid.scale_dtype, block_size):
+            loss = gptq_triton.solve_blocks(Wt, Hinv, Err1, Qt, members, members_dev, group, first, grid,
+                                            block_size, _current)
+            return Qt, loss
+    if loop == "compiled":
         first_at = torch.full((cols,), -1, dtype=torch.long)  # [in]
         first_at[list(first)] = torch.tensor(list(first.values()), dtype=torch.long)
         blocks = BlockLoop(Wt, Hinv, Err1, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,

@@ -15,6 +15,7 @@ used, for the report. PTQ_GPTQ_LOOP=torch forces the torch loop.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -25,7 +26,7 @@ from ptq.devices import cpu_parallel
 from ptq.primitives import MSE_COARSE, MSE_FINE
 from ptq.schemes import QuantArgs
 
-ENV = "PTQ_GPTQ_LOOP"  # "torch": always the torch loop
+ENV = "PTQ_GPTQ_LOOP"  # "torch": always the torch loop; "triton": the Triton loop on a GPU
 MIN_ROWS_PER_THREAD = 64  # fewer rows gain nothing from another thread
 
 
@@ -37,10 +38,19 @@ def unavailable() -> str | None:
 
 
 def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) -> str:
-    """'compiled' or 'torch': the loop a solve on `device` with these weights takes."""
+    """'compiled', 'triton' or 'torch': the loop a solve on `device` with these weights takes.
+    On a GPU the Triton loop (gptq_triton) is opt-in, PTQ_GPTQ_LOOP=triton, until a GPU run
+    has validated it."""
+    if device.type == "cuda":
+        wanted = os.environ.get(ENV, "").lower() == "triton"
+        return "triton" if wanted and args.type == "int" and triton_installed() else "torch"
     if device.type != "cpu" or args.type != "int" or unavailable() or not compiled.has_dtypes(scale_dtype):
         return "torch"
     return "compiled"
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def row_slices(rows: int, threads: int) -> list[tuple[int, int]]:
