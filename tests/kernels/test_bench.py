@@ -17,6 +17,7 @@ from ptq.kernels.kv_attention import dequantize_kv
 def row(kernel, m, time_us, speedup):
     return {"kernel": kernel, "M": m, "N": 4096, "K": 4096, "time_us": time_us, "gb_per_s": 3000.0,
             "tflop_per_s": 1.5, "speedup_vs_bf16": speedup, "roofline_fraction": 0.8, "bound": "memory",
+            "graph_us": time_us / 2, "graph_speedup_vs_bf16": speedup * 1.5,
             "copy_gb_per_s": 4000.0, "peak_tflop_per_s": 700.0}
 
 
@@ -25,8 +26,9 @@ def test_format_table():
     lines = text.splitlines()
     assert lines[0] == "roofs: copy 4000 GB/s, bf16 matmul 700 TFLOP/s"
     assert lines[1].split() == ["kernel", "M", "N", "K", "time", "us", "GB/s", "TFLOP/s", "vs", "bf16",
-                                "roofline", "bound"]
+                                "roofline", "bound", "graph", "us", "graph", "vs", "bf16"]
     assert lines[3].split()[:5] == ["w4a16-g128", "1", "4096", "4096", "9.5"] and "3.16x" in lines[3]
+    assert lines[3].split()[-2:] == ["4.8", "4.74x"]  # the graph replay's columns
     assert lines[4] == ""  # a blank line between M blocks
 
 
