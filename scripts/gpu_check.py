@@ -202,7 +202,7 @@ def step_engine() -> bool:
 def step_gptq_8b(layers: int) -> bool:
     """The Hessian and column-loop checks, then the 8B-shaped GPTQ with the default (torch) loop
     and, where the Triton loop matched it, again with that one (PTQ_GPTQ_LOOP=triton)."""
-    from gpu_gptq_8b import gptq_8b, hessian_check, loop_check
+    from gpu_gptq_8b import gptq_8b, hessian_check, loop_check, profile_gptq
 
     accurate = hessian_check("cuda")
     loop_ok = loop_check("cuda")
@@ -215,6 +215,7 @@ def step_gptq_8b(layers: int) -> bool:
             met = gptq_8b("cuda", layers=layers) or met
         finally:
             os.environ.pop("PTQ_GPTQ_LOOP", None)
+    profile_gptq("cuda")  # with the default loop
     return met and accurate and loop_ok
 
 
@@ -247,9 +248,11 @@ def main(argv=None) -> int:
     if args.dry_run_model:
         return 0 if step_model("cpu", n_windows=1, seq_len=16, new_tokens=2) else 1
     if args.dry_run_gptq:
-        from gpu_gptq_8b import TINY, gptq_8b
+        from gpu_gptq_8b import TINY, gptq_8b, profile_gptq
 
-        return 0 if gptq_8b("cpu", layers=2, samples=4, seq_len=64, shape=TINY) else 1
+        ok = gptq_8b("cpu", layers=2, samples=4, seq_len=64, shape=TINY)
+        profile_gptq("cpu", samples=4, seq_len=64, rows=5, shape=TINY)
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False); "
               "run it on a machine with an NVIDIA GPU. The CPU tests run with: pytest tests/kernels")

@@ -104,23 +104,29 @@ def loop_check(device: str = "cuda", rows: int = 6144, cols: int = 4096, tokens:
     return good
 
 
-def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: int = 2048,
-            shape: dict | None = None) -> bool:
+def _model_and_recipe(device: str, layers: int, samples: int, seq_len: int, shape: dict | None):
     import transformers
 
-    import ptq
     from ptq.recipe import parse_recipe
 
     shape = {**LLAMA3_8B, **(shape or {})}
     config = transformers.LlamaConfig(**{**shape, "num_hidden_layers": layers})
     torch.manual_seed(0)
-    start = time.perf_counter()
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    built = time.perf_counter() - start
     ids = torch.randint(0, config.vocab_size, (samples, seq_len), generator=torch.Generator().manual_seed(0))
     recipe = parse_recipe({"calibration": {"samples": samples, "seq_len": seq_len},
                            "steps": [{"gptq": {"scheme": "W4A16", "targets": ["Linear"], "ignore": ["lm_head"]}}]})
+    return model, ids, recipe
+
+
+def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: int = 2048,
+            shape: dict | None = None) -> bool:
+    import ptq
+
+    start = time.perf_counter()
+    model, ids, recipe = _model_and_recipe(device, layers, samples, seq_len, shape)
+    built = time.perf_counter() - start
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -138,3 +144,30 @@ def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: 
     print(f"  estimated 32 layers: {estimate:.0f} s (goal < {GOAL_S:.0f} s; llm-compressor documents ~745 s): "
           f"{'met' if met else 'NOT met'}")
     return met or device != "cuda"
+
+
+def profile_gptq(device: str = "cuda", samples: int = 128, seq_len: int = 2048, rows: int = 14,
+                 shape: dict | None = None) -> None:
+    """Where one layer's GPTQ spends its time: torch.profiler over the quantize of a 1-layer
+    model of the 8B shape (fewer samples: the profiler's own cost grows with the ops), the ops
+    with the most device time and those with the most host time, one line each."""
+    import ptq
+    from torch.profiler import ProfilerActivity, profile
+
+    model, ids, recipe = _model_and_recipe(device, 1, samples, seq_len, shape)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        ptq.quantize(model, recipe, data=ids, device=device, show_progress=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    for title, key in (("device time", device_key), ("host time", "self_cpu_time_total")):
+        top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
+        total = sum(getattr(e, key, 0) for e in events) or 1
+        print(f"  profile, 1 layer, {samples} x {seq_len} tokens: most {title} (self, of {total / 1e6:.2f} s)")
+        for e in top:
+            print(f"    {getattr(e, key, 0) / 1e3:9.1f} ms {100 * getattr(e, key, 0) / total:5.1f}%  "
+                  f"{e.count:7d} calls  {e.key[:70]}")
+        if device != "cuda":
+            break
