@@ -42,7 +42,9 @@ def step_tests(log_dir: Path | None = None) -> bool:
     writes its whole output to log_dir/pytest_kernels.log when log_dir is given."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compile for the GPU
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
+    # addopts has -q already (a second one hides the "N passed" line); no:benchmark: pytest-benchmark,
+    # where installed, warns once per xdist worker
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-p", "no:cacheprovider", "-p", "no:benchmark", "-rf"]
     if importlib.util.find_spec("xdist") is not None:  # compiling the tests' kernels dominates: spread it
         cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     if importlib.util.find_spec("pytest_timeout") is not None:  # a hung kernel fails its test, not the run
