@@ -346,7 +346,7 @@ def _solve(
     if loop == "triton":
         from ptq.algorithms import gptq_triton  # imports triton: only where it runs
 
-        if gptq_triton.applies(grid.scale_dtype, block_size):
+        if gptq_triton.applies(grid.scale_dtype, block_size, Wt.numel()):
             loss = gptq_triton.solve_blocks(Wt, Hinv, Err1, Qt, members, members_dev, group, first, grid,
                                             block_size, _current)
             return Qt, loss

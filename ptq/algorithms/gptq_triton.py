@@ -37,10 +37,11 @@ _RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + magic - magic rounds h
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def applies(scale_dtype: torch.dtype, block_size: int) -> bool:
+def applies(scale_dtype: torch.dtype, block_size: int, weights: int) -> bool:
     """Whether a solve that gptq_compiled.loop_for sends here fits the kernel: a block within
-    MAX_BLOCK and a scale dtype it rounds to (else the torch loop runs)."""
-    return block_size <= MAX_BLOCK and scale_dtype in _SCALE_KINDS
+    MAX_BLOCK, a scale dtype it rounds to, and fewer weights than 2^31 (its offsets are 32-bit
+    integers; Llama-3-405B's stacked gate/up are 1.7e9); else the torch loop runs."""
+    return block_size <= MAX_BLOCK and scale_dtype in _SCALE_KINDS and weights < 2**31
 
 
 @triton.jit
@@ -99,6 +100,8 @@ def solve_blocks(Wt: Tensor, Hinv: Tensor, Err1: Tensor, Qt: Tensor, members: Te
     parameters; returns Σ Losses. first: position -> the group fitted there; current: gptq's
     _current (a group's columns as they stand); grid: gptq's _Grid."""
     cols, R = Wt.shape
+    for t in (Wt, Err1, Qt, grid.scale_f) + (() if grid.zero is None else (grid.zero,)):
+        assert t.is_contiguous(), "the Triton loop indexes rows of R elements"
     group_of = group.to(device=Wt.device, dtype=torch.int32)
     zero = grid.zero
     kind = _SCALE_KINDS[grid.scale_dtype]
