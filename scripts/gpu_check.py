@@ -7,6 +7,8 @@
        shape per format, then the benchmark against bf16 SDPA and the speedup goals (about 1 minute)
     3. quantize the bundled model (W4A16 GPTQ, W8A16 RTN), load each checkpoint with the kernels,
        generate text, and compare the kernels' logits with the dequantized torch reference
+    3b. every bundled recipe through `ptq quantize --device cuda` (AWQ, SmoothQuant, fp8, the
+       KV caches: their first GPU run), one line each: time, perplexity, KL, bits per weight
     4. the engine benchmark (ptq bench --engine): generate() on the bundled model, TTFT / TPOT beside
        ptq plan's bounds for this GPU
     5. GPTQ on the GPU: the Hessian of bf16 inputs against float64, the Triton column loop
@@ -198,6 +200,59 @@ def step_model(device: str = "cuda", n_windows: int = 8, seq_len: int = 512, new
     return ok
 
 
+def step_recipes(device: str = "cuda", names: list[str] | None = None) -> bool:
+    """Every bundled recipe (or those named) through `ptq quantize --device DEVICE` in this
+    process, as a user runs it (calibration, the algorithm, the checkpoint, the evaluation with
+    kernels on a GPU): one line each from its --report-json. ok: exit status 0 and a KL under
+    0.5 nat (a gross failure; the quality floors are the CPU tests'); the numbers are for
+    reading beside the README's CPU ones. AWQ, SmoothQuant, fp8 and the KV-cache recipes had
+    not run on a GPU before this step."""
+    import contextlib
+    import io
+    import json
+    import tempfile
+
+    from ptq.cli import main as ptq_main
+
+    ok = True
+    paths = sorted((REPO / "recipes").glob("*.yaml"))
+    unknown = sorted(set(names or ()) - {p.stem for p in paths})
+    if unknown:
+        raise ValueError(f"no recipe {', '.join(unknown)} in recipes/ (names without .yaml)")
+    for path in [p for p in paths if names is None or p.stem in names]:
+        with tempfile.TemporaryDirectory() as folder:
+            report_path = Path(folder) / "report.json"
+            argv = ["quantize", "--recipe", str(path), "--output", f"{folder}/q", "--device", device,
+                    "--report-json", str(report_path)]
+            captured = io.StringIO()
+            start = time.time()
+            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+                try:
+                    code = ptq_main(argv)
+                except Exception as exc:  # noqa: BLE001 - reported, then the next recipe
+                    code, _ = 1, print(f"{type(exc).__name__}: {exc}")
+            seconds = time.time() - start
+            report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+        quality = report.get("quality") or {}
+        buckets = (report.get("kv_cache") or {}).get("buckets") or []
+        if not quality and buckets:  # a KV-cache-only recipe: its rows by position, the last (longest) shown
+            quality = {**buckets[-1], "kl": max(b["kl"] for b in buckets)}
+        kl = quality.get("kl", float("nan"))
+        good = code == 0 and kl < 0.5
+        ok &= good
+        if good:
+            after = (report.get("bits_per_weight") or {}).get("after")
+            bits = "weights as they were" if after is None else f"{after:.2f} bits a weight"
+            what = f"KV rows, worst KL, last bucket ({quality['label']})" if buckets and "label" in quality else "ppl"
+            print(f"  {path.stem:<30} {seconds:5.1f} s (quantize {report.get('seconds', 0):5.1f} s) {what} "
+                  f"{quality.get('reference_perplexity', float('nan')):.3f} -> "
+                  f"{quality.get('perplexity', float('nan')):.3f}, KL {kl:.5f}, {bits} ok")
+        else:
+            tail = [line for line in captured.getvalue().strip().splitlines() if line.strip()][-3:]
+            print(f"  {path.stem:<30} FAIL (exit {code}, KL {kl}): " + " | ".join(tail))
+    return ok
+
+
 def step_engine() -> bool:
     """generate() timed on the bundled model beside ptq plan's bounds for this GPU (ptq bench --engine)."""
     from ptq.engine_bench import format_measurements, run_engine_bench
@@ -230,19 +285,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, M in (1, 256): a smoke run")
     parser.add_argument("--skip-tests", action="store_true", help="skip step 1")
-    parser.add_argument("--steps", default="1,2,2b,3,4,5",
-                        help="the steps to run, in this order, comma-separated (default: all, 1,2,2b,3,4,5)")
+    parser.add_argument("--steps", default="1,2,2b,3,3b,4,5",
+                        help="the steps to run, in this order, comma-separated (default: all, 1,2,2b,3,3b,4,5)")
     parser.add_argument("--log-dir", type=Path, help="a folder for the kernel tests' whole output (step 1)")
     parser.add_argument("--gptq-layers", type=int, default=8, help="layers of the Llama-3-8B-shaped GPTQ (step 5)")
     parser.add_argument("--dry-run-gptq", action="store_true", help="run step 5's code path on the CPU, tiny sizes")
     parser.add_argument("--dry-run-model", action="store_true",
                         help="run step 3's code path on the CPU (needs TRITON_INTERPRET=1), tiny sizes")
+    parser.add_argument("--dry-run-recipes", nargs="*", metavar="RECIPE",
+                        help="run step 3b's code path on the CPU for these recipes (names without .yaml)")
     args = parser.parse_args(argv)
     all_steps = {
         "1": ("1 kernel tests", lambda: step_tests(args.log_dir)),
         "2": ("2 benchmark + autotuned check", lambda: step_bench(args.quick)),
         "2b": ("2b kv-cache decode attention", lambda: step_kv_attention(args.quick)),
         "3": ("3 bundled model with kernels", step_model),
+        "3b": ("3b every bundled recipe through ptq quantize", step_recipes),
         "4": ("4 engine benchmark vs ptq plan's bounds", step_engine),
         "5": ("5 GPTQ on a Llama-3-8B shape", lambda: step_gptq_8b(args.gptq_layers)),
     }
@@ -252,6 +310,12 @@ def main(argv=None) -> int:
         parser.error(f"--steps {args.steps!r}: unknown step(s) {', '.join(unknown) or '(none given)'}; "
                      f"choose from {', '.join(all_steps)}")
     steps = [all_steps[key] for key in wanted if not (args.skip_tests and key == "1")]
+    if args.dry_run_recipes is not None:
+        try:
+            return 0 if step_recipes("cpu", args.dry_run_recipes or ["w4a16-rtn"]) else 1
+        except ValueError as exc:
+            print(f"gpu_check: {exc}")
+            return 2
     if args.dry_run_model:
         return 0 if step_model("cpu", n_windows=1, seq_len=16, new_tokens=2) else 1
     if args.dry_run_gptq:
