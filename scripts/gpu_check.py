@@ -230,7 +230,8 @@ def step_recipes(device: str = "cuda", names: list[str] | None = None) -> bool:
                 try:
                     code = ptq_main(argv)
                 except Exception as exc:  # noqa: BLE001 - reported, then the next recipe
-                    code, _ = 1, print(f"{type(exc).__name__}: {exc}")
+                    print(f"{type(exc).__name__}: {exc}")
+                    code = 1
             seconds = time.time() - start
             report = json.loads(report_path.read_text()) if report_path.is_file() else {}
         quality = report.get("quality") or {}
@@ -243,7 +244,7 @@ def step_recipes(device: str = "cuda", names: list[str] | None = None) -> bool:
         if good:
             after = (report.get("bits_per_weight") or {}).get("after")
             bits = "weights as they were" if after is None else f"{after:.2f} bits a weight"
-            what = f"KV rows, worst KL, last bucket ({quality['label']})" if buckets and "label" in quality else "ppl"
+            what = f"KV rows, worst KL, last bucket ({quality['label']})" if "label" in quality else "ppl"
             print(f"  {path.stem:<30} {seconds:5.1f} s (quantize {report.get('seconds', 0):5.1f} s) {what} "
                   f"{quality.get('reference_perplexity', float('nan')):.3f} -> "
                   f"{quality.get('perplexity', float('nan')):.3f}, KL {kl:.5f}, {bits} ok")
@@ -264,20 +265,19 @@ def step_engine() -> bool:
 def step_gptq_8b(layers: int) -> bool:
     """The Hessian and column-loop checks, then the 8B-shaped GPTQ with the default (torch) loop
     and, where the Triton loop matched it, again with that one (PTQ_GPTQ_LOOP=triton)."""
-    from gpu_gptq_8b import gptq_8b, hessian_check, loop_check, profile_gptq
+    from gpu_gptq_8b import gptq_8b, gptq_loop, hessian_check, loop_check, profile_gptq
 
     accurate = hessian_check("cuda")
     loop_ok = loop_check("cuda")
     print("  with the torch column loop (the default):")
-    met = gptq_8b("cuda", layers=layers)
+    with gptq_loop("torch"):
+        met = gptq_8b("cuda", layers=layers)
     if loop_ok:
         print("  with the Triton column loop (PTQ_GPTQ_LOOP=triton):")
-        os.environ["PTQ_GPTQ_LOOP"] = "triton"
-        try:
+        with gptq_loop("triton"):
             met = gptq_8b("cuda", layers=layers) or met
-        finally:
-            os.environ.pop("PTQ_GPTQ_LOOP", None)
-    profile_gptq("cuda")  # with the default loop
+    with gptq_loop("torch"):
+        profile_gptq("cuda")
     return met and accurate and loop_ok
 
 

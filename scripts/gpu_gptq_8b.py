@@ -12,6 +12,8 @@ measured elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import torch
@@ -64,6 +66,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def gptq_loop(name: str):
+    """PTQ_GPTQ_LOOP=name inside the block (gptq_compiled.loop_for reads it at each solve),
+    whatever it was restored after."""
+    before = os.environ.get("PTQ_GPTQ_LOOP")
+    os.environ["PTQ_GPTQ_LOOP"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PTQ_GPTQ_LOOP", None)
+        else:
+            os.environ["PTQ_GPTQ_LOOP"] = before
+
+
 def loop_check(device: str = "cuda", rows: int = 6144, cols: int = 4096, tokens: int = 8192) -> bool:
     """GPTQ's Triton column loop (PTQ_GPTQ_LOOP=triton) against the torch loop on the GPU, on a
     q/k/v-shaped solve of a Hessian from random correlated activations: the share of equal
@@ -81,20 +98,13 @@ def loop_check(device: str = "cuda", rows: int = 6144, cols: int = 4096, tokens:
     W = torch.randn(rows, cols, generator=gen, device=device) / cols**0.5
     args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=128)
     results, times = {}, {}
-    before = os.environ.get("PTQ_GPTQ_LOOP")
-    try:
-        for loop in ("torch", "triton", "triton"):  # the second triton run is timed without compiling
-            os.environ["PTQ_GPTQ_LOOP"] = loop
+    for loop in ("torch", "triton", "triton"):  # the second triton run is timed without compiling
+        with gptq_loop(loop):
             _sync(device)
             start = time.perf_counter()
             results[loop] = gptq(W, H, args, scale_dtype=torch.bfloat16)
             _sync(device)
             times[loop] = time.perf_counter() - start
-    finally:
-        if before is None:
-            os.environ.pop("PTQ_GPTQ_LOOP", None)
-        else:
-            os.environ["PTQ_GPTQ_LOOP"] = before
     same = (results["torch"].weight.q == results["triton"].weight.q).float().mean().item()
     loss_gap = abs(results["triton"].error / results["torch"].error - 1)
     good = same >= 0.999 and loss_gap < 1e-4  # what tests/kernels/test_gptq_triton.py asks on a CPU
@@ -127,12 +137,11 @@ def gptq_8b(device: str = "cuda", layers: int = 8, samples: int = 512, seq_len: 
     start = time.perf_counter()
     model, ids, recipe = _model_and_recipe(device, layers, samples, seq_len, shape)
     built = time.perf_counter() - start
+    _sync(device)
     if device == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     ptq.quantize(model, recipe, data=ids, device=device, show_progress=False)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     report = model.ptq_report
     per_layer = report.seconds / layers  # the capture pass is shared; counting it per layer overestimates
     estimate = per_layer * LLAMA3_8B["num_hidden_layers"]
@@ -158,8 +167,7 @@ def profile_gptq(device: str = "cuda", samples: int = 128, seq_len: int = 2048, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         ptq.quantize(model, recipe, data=ids, device=device, show_progress=False)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
     events = prof.key_averages()
     device_key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     for title, key in (("device time", device_key), ("host time", "self_cpu_time_total")):

@@ -15,7 +15,6 @@ used, for the report. PTQ_GPTQ_LOOP=torch forces the torch loop.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from ptq.algorithms import compiled
 from ptq.devices import cpu_parallel
+from ptq.modules import triton_installed
 from ptq.primitives import MSE_COARSE, MSE_FINE
 from ptq.schemes import QuantArgs
 
@@ -48,9 +48,6 @@ def loop_for(device: torch.device, args: QuantArgs, scale_dtype: torch.dtype) ->
         return "torch"
     return "compiled"
 
-
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def row_slices(rows: int, threads: int) -> list[tuple[int, int]]:
