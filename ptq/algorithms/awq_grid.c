@@ -157,18 +157,103 @@ static const float SAFE = 0x1p100f; /* reciprocals of values within [1/SAFE, SAF
    residual and its product with the reciprocal stay normal) */
 static const float SMALLEST = 0x1p-90f;
 
+/* One row's candidates, 16 columns at a time, from its groups' parameters (scale, zero: one
+   float each per group). bound: no quotient of a group whose scale is at least this can fall
+   below SMALLEST (its candidates are 0 or at least scale / max(s)). A symmetric scheme's
+   zero is 0, and adding and taking it away changes no bit here (the rounded value is never
+   -0), so it is left out. TO_BF16 rounds values that are zero or normal to bf16; STORE_BF16
+   stores them as bf16 (x exact in bf16, or zero or normal); both take the slow way (lanes
+   tiny or odd) where a lane may not be: see the callers. */
+#define CANDIDATES_OF_ROW(name, TARGET, TO_BF16, STORE_BF16, ODD)                                               \
+    TARGET static void name(const float *w, const float *s, const float *rs, int64_t groups, int64_t size,       \
+                            const float *scale, const float *zero, float bound, int32_t scale_kind, float qmin,  \
+                            float qmax, int32_t asym, int32_t weight_kind, int32_t delta, int32_t out_kind,       \
+                            void *o) {                                                                            \
+        const __m512 vqmin = _mm512_set1_ps(qmin), vqmax = _mm512_set1_ps(qmax);                                \
+        const __m512 smallest = _mm512_set1_ps(SMALLEST);                                                        \
+        for (int64_t g = 0; g < groups; g++) {                                                                   \
+            const __m512 sc = _mm512_set1_ps(scale[g]), zr = _mm512_set1_ps(zero[g]);                           \
+            const __m512 rsc = _mm512_set1_ps(1.0f / scale[g]);                                                 \
+            /* a scale this small would leave the corrections' residuals inexact: divide */                     \
+            const int divide = scale[g] < SMALLEST, may_be_tiny = divide || !(scale[g] >= bound);                \
+            for (int64_t m = g * size; m < (g + 1) * size; m += 16) {                                           \
+                const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);                          \
+                /* else the dividends are above SMALLEST, or their quotients below 1/2 (0                        \
+                   once rounded, however inexact) */                                                              \
+                const __m512 x = _mm512_mul_ps(wv, sv);                                                          \
+                const __m512 q = divide ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);                           \
+                const __m512 t = asym ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)     \
+                                      : round_clamp_v(q, vqmin, vqmax);                                           \
+                /* 0, or at least the scale: above SMALLEST, normal */                                           \
+                const __m512 p = _mm512_mul_ps(t, sc);                                                           \
+                const __m512 a = scale_kind == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, scale_kind);        \
+                __m512 c = divide ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));            \
+                __mmask16 odd = ODD(wv);                                                                         \
+                if (may_be_tiny) {                                                                               \
+                    const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(c), smallest, _CMP_LT_OQ) &          \
+                                           _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);               \
+                    if (tiny) /* the quotient too: divide */                                                     \
+                        c = _mm512_mask_div_ps(c, tiny, a, sv);                                                  \
+                    odd |= tiny;                                                                                 \
+                }                                                                                                \
+                c = weight_kind == SCALE_BF16 && !odd ? TO_BF16(c) : to_scale_dtype_v(c, weight_kind);           \
+                if (delta)                                                                                       \
+                    c = _mm512_sub_ps(c, wv);                                                                    \
+                if (out_kind == SCALE_BF16 && !odd)                                                              \
+                    STORE_BF16(c, o, m);                                                                         \
+                else                                                                                             \
+                    store_v(c, o, m, out_kind);                                                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+AVX512 static inline __mmask16 never_odd(__m512 w) {
+    (void)w;
+    return 0;
+}
+
+AVX512 static inline void store_bf16_v(__m512 x, void *out, int64_t i) {
+    store_v(x, out, i, SCALE_BF16);
+}
+
+CANDIDATES_OF_ROW(candidates_of_row, AVX512, to_bf16_v, store_bf16_v, never_odd)
+
+/* With AVX512-BF16, bf16 rounding is one instruction (VCVTNEPS2BF16: to nearest even, as
+   to_bf16_v, but for subnormal inputs, which it takes as 0). The values it rounds are 0 or
+   normal but in lanes where the quotient is tiny (they go to_bf16_v's way) and where the
+   weight w is subnormal: a candidate c is 0 or at least SMALLEST there, and so c - w is 0
+   or normal (a multiple of the ulp of the smaller of two normal floats at least 2^-126
+   apart from 0; -w where c is 0) unless w is subnormal (odd: VFPCLASSPS). */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+BF16_TARGET static inline __m512 to_bf16_cvt(__m512 x) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+BF16_TARGET static inline void store_bf16_cvt(__m512 x, void *out, int64_t i) {
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+BF16_TARGET static inline __mmask16 subnormal(__m512 w) {
+    return _mm512_fpclass_ps_mask(w, 0x20); /* 0x20: denormal */
+}
+
+CANDIDATES_OF_ROW(candidates_of_row_bf16, BF16_TARGET, to_bf16_cvt, store_bf16_cvt, subnormal)
+
 /* The portable loop's rows, for groups of a multiple of 16 columns and every s within
-   [1/SAFE, SAFE]. rs: 1/s; params: 4 floats per group. A row whose scaled range is not
-   finite or reaches SAFE goes the portable way (x: its scratch). */
+   [1/SAFE, SAFE]. rs: 1/s; smax: the largest s; params: 4 floats per group. A row whose
+   scaled range is not finite or reaches SAFE goes the portable way (x: its scratch).
+   cvt: round to bf16 with AVX512-BF16's instruction (candidates_of_row_bf16). */
 AVX512 static void candidate_rows_avx512(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s,
-                                         const float *rs, int64_t size, int32_t scale_kind, float qmin, float qmax,
-                                         int32_t asym, int32_t weight_kind, int32_t delta, int32_t out_kind,
-                                         void *out, float *params, float *x) {
+                                         const float *rs, float smax, int64_t size, int32_t scale_kind, float qmin,
+                                         float qmax, int32_t asym, int32_t weight_kind, int32_t delta,
+                                         int32_t out_kind, void *out, float *params, float *x, int cvt) {
     const size_t width = out_kind == SCALE_F32 ? 4 : 2;
     const int64_t groups = in / size;
     float *lo = params, *hi = lo + groups, *scale = hi + groups, *zero = scale + groups;
-    const __m512 vqmin = _mm512_set1_ps(qmin), vqmax = _mm512_set1_ps(qmax);
-    const __m512 smallest = _mm512_set1_ps(SMALLEST);
+    /* a quotient of a scale at least this by any s is at least 2 SMALLEST (smax <= SAFE) */
+    const float bound = 4 * SMALLEST * smax;
     for (int64_t r = r0; r < r1; r++) {
         const float *w = W + r * in;
         void *o = (char *)out + (size_t)r * (size_t)in * width;
@@ -196,43 +281,24 @@ AVX512 static void candidate_rows_avx512(int64_t r0, int64_t r1, const float *W,
             zero[g] = 0;
             group_params(lo[g], hi[g], qmin, qmax, scale_kind, asym, scale + g, zero + g);
         }
-        for (int64_t g = 0; g < groups; g++) {
-            const __m512 sc = _mm512_set1_ps(scale[g]), zr = _mm512_set1_ps(zero[g]);
-            const __m512 rsc = _mm512_set1_ps(1.0f / scale[g]);
-            /* a scale this small would leave the corrections' residuals inexact: divide */
-            const int divide = scale[g] < SMALLEST;
-            for (int64_t m = g * size; m < (g + 1) * size; m += 16) {
-                const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);
-                /* else the dividends are above SMALLEST, or their quotients below 1/2 (0
-                   once rounded, however inexact) */
-                const __m512 x = _mm512_mul_ps(wv, sv);
-                const __m512 q = divide ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);
-                const __m512 t = _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr);
-                /* 0, or at least the scale: above SMALLEST */
-                const __m512 a = to_scale_dtype_v(_mm512_mul_ps(t, sc), scale_kind);
-                __m512 c = divide ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));
-                const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(c), smallest, _CMP_LT_OQ) &
-                                       _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-                if (tiny) /* the quotient too: divide */
-                    c = _mm512_mask_div_ps(c, tiny, a, sv);
-                c = to_scale_dtype_v(c, weight_kind);
-                if (delta)
-                    c = _mm512_sub_ps(c, wv);
-                store_v(c, o, m, out_kind);
-            }
-        }
+        (cvt ? candidates_of_row_bf16 : candidates_of_row)(w, s, rs, groups, size, scale, zero, bound, scale_kind,
+                                                             qmin, qmax, asym, weight_kind, delta, out_kind, o);
     }
 }
 
-/* whether every s is within [1/SAFE, SAFE]; and its reciprocals into rs */
-AVX512 static int reciprocals(const float *s, float *rs, int64_t n) {
+/* whether every s is within [1/SAFE, SAFE]; and its reciprocals into rs, its largest value
+   into smax */
+AVX512 static int reciprocals(const float *s, float *rs, int64_t n, float *smax) {
     __mmask16 outside = 0;
+    __m512 largest = _mm512_setzero_ps();
     for (int64_t m = 0; m < n; m += 16) {
         const __m512 v = _mm512_loadu_ps(s + m);
         outside |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(1 / SAFE), _CMP_NGE_UQ) |
                    _mm512_cmp_ps_mask(v, _mm512_set1_ps(SAFE), _CMP_NLE_UQ);
+        largest = _mm512_max_ps(v, largest);
         _mm512_storeu_ps(rs + m, _mm512_div_ps(_mm512_set1_ps(1.0f), v));
     }
+    *smax = _mm512_reduce_max_ps(largest);
     return outside == 0;
 }
 #endif
@@ -241,7 +307,9 @@ AVX512 static int reciprocals(const float *s, float *rs, int64_t n) {
    s [in]: groups of `size` consecutive columns (in for one group per row), the scale
    rounded to scale_kind, the candidate to weight_kind (SCALE_* both). Writes the candidate,
    or (delta) the candidate minus W, in out_kind into out [rows, in] (rows r0..r1 only).
-   portable: never the AVX-512 path (for tests). Returns 0, or 1 when memory ran out. */
+   portable: 0, the fastest path here; 1, never the AVX-512 path; 2, the AVX-512 path
+   without AVX512-BF16's rounding (all three the same bits: for tests). Returns 0, or 1
+   when memory ran out. */
 int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s, int64_t size,
                        int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
                        int32_t delta, int32_t out_kind, void *out, int32_t portable) {
@@ -250,10 +318,13 @@ int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const
     if (!x)
         return 1;
 #if HAS_AVX512
-    if (!portable && size % 16 == 0 && __builtin_cpu_supports("avx512f") && reciprocals(s, x + in, in))
-        candidate_rows_avx512(r0, r1, W, in, s, x + in, size, scale_kind, qmin, qmax, asym, weight_kind, delta,
-                              out_kind, out, x + 2 * in, x);
-    else
+    float smax;
+    if (portable != 1 && size % 16 == 0 && __builtin_cpu_supports("avx512f") && reciprocals(s, x + in, in, &smax)) {
+        const int cvt = portable == 0 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        candidate_rows_avx512(r0, r1, W, in, s, x + in, smax, size, scale_kind, qmin, qmax, asym, weight_kind, delta,
+                              out_kind, out, x + 2 * in, x, cvt);
+    } else
 #endif
         candidate_rows(r0, r1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta, out_kind, out, x);
     (void)portable;

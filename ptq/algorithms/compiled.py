@@ -142,11 +142,12 @@ def awq_grid_for(W: Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> bool:
 
 
 def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dtype, weight_dtype: torch.dtype,
-                  out: Tensor, delta: bool, portable: bool = False) -> Tensor:
+                  out: Tensor, delta: bool, portable: bool = False, bf16_instructions: bool = True) -> Tensor:
     """Q(W·diag(s))·diag(1/s) rounded to weight_dtype (minus W when delta) into out [out, in]
     (float32, bf16 or float16): awq.candidate_weights for one candidate s [in], from
     W32 [out, in], W's values in float32 (awq_grid_for must have said yes). portable: not
-    the AVX-512 path, which gives the same bits (for tests)."""
+    the AVX-512 path; bf16_instructions False: that path without AVX512-BF16's rounding
+    instruction. All three give the same bits (both flags for tests)."""
     rows, cols = W32.shape
     assert W32.dtype == s.dtype == torch.float32 and W32.is_contiguous() and s.is_contiguous()
     assert out.shape == W32.shape and out.is_contiguous() and out.dtype in KINDS
@@ -154,7 +155,7 @@ def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dt
     status = library()[0].ptq_awq_candidates(
         0, rows, W32.data_ptr(), cols, s.data_ptr(), size, KINDS[scale_dtype], float(args.qmin), float(args.qmax),
         int(not args.symmetric), KINDS[weight_dtype], int(delta), KINDS[out.dtype], out.data_ptr(),
-        int(portable))
+        1 if portable else 0 if bf16_instructions else 2)
     if status:
         raise MemoryError("AWQ's compiled grid ran out of memory for one row")
     return out

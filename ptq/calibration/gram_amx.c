@@ -269,6 +269,15 @@ __attribute__((target("avx512f"))) void ptq_gram_quadratic_pack(const float *G, 
         }
 }
 
+/* The end of the panel of GV's column blocks that starts at j0 (ptq_gram_quadratic and its
+   AVX512-BF16 twin): as many as fit PANEL_BYTES, one at least. */
+static int64_t panel_end(int64_t j0, int64_t blocks) {
+    int64_t j1 = j0, bytes = 0; /* column block jb holds jb + 1 blocks of GV, 2 KiB each */
+    for (; j1 < blocks && (j1 == j0 || bytes + (j1 + 1) * 4 * TILE <= PANEL_BYTES); j1++)
+        bytes += (j1 + 1) * 4 * TILE;
+    return j1;
+}
+
 /* sum + c0 · d[0:16] + c1 · d[16:32], d 32 bf16 widened to float32, in that order */
 __attribute__((target("avx512f"))) static inline __m512 add_row_products(__m512 sum, __m512 c0, __m512 c1,
                                                                         const uint16_t *d) {
@@ -284,18 +293,22 @@ __attribute__((target("avx512f"))) static inline __m512 add_row_products(__m512 
    given as GV, the B tiles of its blocks of 32 x 32 on and above the diagonal, those
    above it doubled (compiled.QuadraticForm): GV [in/32 column blocks][in/32 row blocks]
    [2 halves of 16 columns][16 row pairs][16][2]. Each 32 x 32 block of D·G' is summed in
-   float32 tiles and multiplied by D's block; the products of 32 rows are summed in float32
-   lanes, then in float64, in a fixed order. */
+   float32 tiles and multiplied by D's block. Column blocks go in panels whose GV stays in
+   the L2 cache (about 1 MiB: one panel up to 1024 features) while every row passes; the
+   products are summed in float32 lanes per panel and 32 rows, then in float64, in a fixed
+   order. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(const uint16_t *D, int64_t rows,
                                                                                int64_t in, const uint16_t *GV) {
     configure_tiles();
     const int64_t blocks = in / 32, row_bytes = in * 2;
     double total = 0;
     float C[32][32];
+    for (int64_t j0 = 0, j1; j0 < blocks; j0 = j1) {
+        j1 = panel_end(j0, blocks);
     for (int64_t r = 0; r < rows; r += 32) {
         const uint16_t *d0 = D + r * in, *d1 = d0 + 16 * in;
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t jb = 0; jb < blocks; jb++) {
+        for (int64_t jb = j0; jb < j1; jb++) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -324,6 +337,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
         for (int l = 0; l < 16; l++)
             total += lanes[l];
     }
+    }
     _tile_release();
     return total;
 }
@@ -338,9 +352,7 @@ __attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(c
     const int64_t blocks = in / 32;
     double total = 0;
     for (int64_t j0 = 0, j1; j0 < blocks; j0 = j1) {
-        int64_t bytes = 0; /* column block jb holds jb + 1 blocks of GV, 2 KiB each */
-        for (j1 = j0; j1 < blocks && (j1 == j0 || bytes + (j1 + 1) * 4 * TILE <= PANEL_BYTES); j1++)
-            bytes += (j1 + 1) * 4 * TILE;
+        j1 = panel_end(j0, blocks);
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t r = r0; r < r0 + 32; r += GRAM_ROWS)

@@ -62,8 +62,8 @@ def test_compiled_candidates_have_the_bits_of_torch_fake_quantization(bits, symm
 
 def _edge_weights() -> tuple[torch.Tensor, torch.Tensor]:
     """W [24, 96] whose rows reach what the AVX-512 path checks: zero groups, values near
-    the float32 normal range's ends (quotients that leave it), an infinity and a NaN; and
-    candidate scales [3, 96], one with values beyond 2^100."""
+    the float32 normal range's ends (quotients that leave it, of small and of large scales),
+    an infinity and a NaN; and candidate scales [3, 96], one with values beyond 2^100."""
     g = torch.Generator().manual_seed(3)
     W = torch.randn(24, 96, generator=g) * 0.05
     W[1, :32] = 0  # a zero group: its scale is the dtype's smallest
@@ -73,8 +73,10 @@ def _edge_weights() -> tuple[torch.Tensor, torch.Tensor]:
     W[5, 7] = float("inf")
     W[6, 50] = float("nan")
     W[7, :16] = -0.0
+    W[8, 64:] = torch.linspace(1e-37, 4e-37, 32)  # by s = 2^60: scales far above SMALLEST, quotients below it
     scales = torch.rand(3, 96, generator=g) * 3 + 0.05
     scales[1, :8] = 1e-3
+    scales[1, 64:] = 2.0**60
     scales[2, 9] = 2.0**101
     return W, scales
 
@@ -82,8 +84,10 @@ def _edge_weights() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("group_size", [16, 32, None])
 def test_the_vector_path_has_the_bits_of_the_portable_one(group_size):
     """On a CPU with AVX-512 the grid takes a vector path (divisions by a reciprocal and one
-    exact correction); elsewhere both calls take the portable loop. Bit for bit, NaN
-    included, on random and on edge values, for every scheme and dtype."""
+    exact correction), with AVX512-BF16 rounding to bf16 by its instruction where no lane is
+    subnormal; elsewhere every call takes the portable loop. Bit for bit, NaN included, on
+    random and on edge values (subnormal weights and quotients among them), for every scheme
+    and dtype."""
     W_edge, s_edge = _edge_weights()
     for bits, symmetric in itertools.product((2, 4, 8), (True, False)):
         args = QuantArgs(num_bits=bits, symmetric=symmetric, strategy="group" if group_size else "channel",
@@ -95,13 +99,16 @@ def test_the_vector_path_has_the_bits_of_the_portable_one(group_size):
             W32 = W.float().contiguous()
             out_dtype = torch.bfloat16 if delta else weight_dtype
             for s in scales:
-                got, portable = (torch.empty(W.shape, dtype=out_dtype) for _ in range(2))
+                got, portable, no_bf16 = (torch.empty(W.shape, dtype=out_dtype) for _ in range(3))
                 compiled.awq_candidate(W32, s.contiguous(), args, scale_dtype, weight_dtype, got, delta)
                 compiled.awq_candidate(W32, s.contiguous(), args, scale_dtype, weight_dtype, portable, delta,
                                        portable=True)
+                compiled.awq_candidate(W32, s.contiguous(), args, scale_dtype, weight_dtype, no_bf16, delta,
+                                       bf16_instructions=False)
                 as_int = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-                assert torch.equal(got.view(as_int), portable.view(as_int)), (bits, symmetric, weight_dtype,
-                                                                              scale_dtype, delta)
+                case = (bits, symmetric, weight_dtype, scale_dtype, delta)
+                assert torch.equal(got.view(as_int), portable.view(as_int)), case
+                assert torch.equal(no_bf16.view(as_int), portable.view(as_int)), case
 
 
 def test_the_grid_falls_back_to_torch_where_it_does_not_apply():
@@ -152,19 +159,24 @@ def test_gram_loss_of_stacked_weights_equals_the_exact_loss(dtype, rtol, monkeyp
 
 
 @pytest.mark.skipif(not compiled.gram_kernel(), reason="this CPU (or its OS) has neither AMX tiles nor AVX512-BF16")
-@pytest.mark.parametrize("rows, features", [(32, 32), (64, 96), (96, 576)])
+@pytest.mark.parametrize("rows, features", [(32, 32), (64, 96), (96, 576), (64, 1536)])  # 1536: 3 panels of G
 def test_the_compiled_loss_is_the_exact_quadratic_form_of_its_bf16_inputs(rows, features):
     """Σ_r d_r G d_rᵀ from the blocks of G on and above the diagonal (those above doubled):
-    within 1e-6 of float64 on the same bf16 D and G; a bf16 GEMM's output is off by ~1e-4."""
+    within 1e-6 of float64 on the same bf16 D and G; a bf16 GEMM's output is off by ~1e-4.
+    On an AMX CPU, its VDPBF16PS twin (a CPU with AVX512-BF16 and no AMX takes it) too."""
     g = torch.Generator().manual_seed(features)
     X = torch.randn(1000, features, generator=g)
     X[:, :2] *= 20
     gram = X.t() @ X  # [features, features]
     D = (torch.randn(rows, features, generator=g) / 64).bfloat16()
     exact = float((D.double() @ gram.bfloat16().double() * D.double()).sum())
-    got = compiled.QuadraticForm(gram).of(D)
-    assert abs(got - exact) <= 1e-6 * abs(exact)
-    assert compiled.QuadraticForm(gram).of(torch.zeros(rows, features, dtype=torch.bfloat16)) == 0
+    forms = [compiled.QuadraticForm(gram)]
+    if compiled.gram_kernel() == "AMX" and compiled.avx512_bf16():
+        forms.append(compiled.QuadraticForm(gram))
+        forms[-1]._quadratic = compiled.library()[0].ptq_gram_quadratic_avx512
+    for form in forms:
+        assert abs(form.of(D) - exact) <= 1e-6 * abs(exact)
+        assert form.of(torch.zeros(rows, features, dtype=torch.bfloat16)) == 0
 
 
 def test_running_without_the_compiled_loops_is_named_in_the_report(monkeypatch):
