@@ -1,8 +1,8 @@
 """The calibration passes' causal attention on a CPU: compiled (ptq/cpu_attention.c) in place
 of torch's scaled_dot_product_attention, which transformers' "sdpa" implementation calls and
 which stays the reference (tests compare the two). bf16 passes take it on a CPU with
-AVX512-BF16, float32 ones (a float32 model, or any on a CPU without fast bf16) on one with
-AVX2 and FMA.
+AVX512-BF16 and no AMX (on AMX torch's kernel is the faster: beats_torch), float32 ones (a
+float32 model, or any on a CPU without fast bf16) on one with AVX2 and FMA.
 
 torch's CPU kernel runs at 60-70 GFLOP/s on one core of a 2-core EPYC (Zen 5) for
 SmolLM2's heads (256 positions, 64 dimensions), a fifth of the bf16 GEMM rate: 3.2
@@ -55,6 +55,16 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     if dtype == torch.bfloat16:
         return compiled.avx512_bf16()
     return dtype == torch.float32 and compiled.attention_f32()
+
+
+def beats_torch(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the calibration passes take the compiled kernel for tensors of this dtype:
+    where it runs (available), but for bf16 on a CPU with AMX, whose tiles torch's own
+    flash-attention kernel multiplies on (its brgemm). Read from the CPU's flags, never
+    timed. On a 2-core Xeon with AMX, one thread, causal GFLOP/s compiled against torch's:
+    72 / 125 (9 heads of 64, 256 positions), 71 / 81 (8 of 32, 512), 89 / 349 (32 of 128,
+    2048); the SmolLM2-shaped GPTQ 7.25 -> 7.10 s, the bundled model's 0.72 -> 0.67 s."""
+    return available(dtype) and not (dtype == torch.bfloat16 and compiled.amx())
 
 
 def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
@@ -169,9 +179,9 @@ def _registered() -> bool:
 
 def _swapped_configs(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
     """The configs compiled_attention swaps: those of the model's modules that choose
-    transformers' "sdpa" attention, where the kernel is here and the passes run on a CPU
-    in a dtype it computes (the activations'); none elsewhere."""
-    if torch.device(device).type != "cpu" or not available(dtype):
+    transformers' "sdpa" attention, where the passes run on a CPU in a dtype whose kernel
+    is here and beats torch's (beats_torch; the activations' dtype); none elsewhere."""
+    if torch.device(device).type != "cpu" or not beats_torch(dtype):
         return []
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_attn_implementation", None) == "sdpa"}

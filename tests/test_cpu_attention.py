@@ -10,12 +10,38 @@ import torch
 import torch.nn.functional as F
 
 from ptq import cpu_attention
-from ptq.cpu_attention import Counts, attention_forward, causal_attention, compiled_attention
+from ptq.cpu_attention import Counts, attention_forward, beats_torch, causal_attention, compiled_attention
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(),
                                   reason="ptq's compiled library is not built, or this CPU has no AVX512-BF16")
 needs_f32_kernel = pytest.mark.skipif(not cpu_attention.available(torch.float32),
                                       reason="ptq's compiled library is not built, or this CPU has no AVX2 and FMA")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_wherever_it_runs(monkeypatch):
+    """The passes take the kernel wherever it runs, AMX CPUs included (where torch's kernel
+    is the faster and ptq leaves it: test_torchs_kernel_where_the_cpu_has_amx)."""
+    monkeypatch.setattr(cpu_attention, "beats_torch", lambda dtype=torch.bfloat16: cpu_attention.available(dtype))
+
+
+def test_torchs_kernel_where_the_cpu_has_amx(monkeypatch):
+    import transformers
+
+    from ptq.algorithms import compiled
+
+    assert beats_torch(torch.bfloat16) == (cpu_attention.available(torch.bfloat16) and not compiled.amx())
+    assert beats_torch(torch.float32) == cpu_attention.available(torch.float32)
+    monkeypatch.setattr(cpu_attention, "beats_torch", beats_torch)  # the rule, not the fixture's
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert cpu_attention.applies(model, "cpu", dtype) == beats_torch(dtype)
+    monkeypatch.setattr(compiled, "amx", lambda: True)
+    assert not cpu_attention.applies(model, "cpu", torch.bfloat16)
+    assert cpu_attention.applies(model, "cpu", torch.float32) == cpu_attention.available(torch.float32)
 
 
 def _qkv(batch: int, heads: int, kv_heads: int, seq: int, dim: int, seed: int = 0, amplitude: float = 1.0,
