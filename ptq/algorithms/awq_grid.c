@@ -184,7 +184,7 @@ static const float SMALLEST = 0x1p-90f;
                 const __m512 q = divide ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);                           \
                 const __m512 t = asym ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)     \
                                       : round_clamp_v(q, vqmin, vqmax);                                           \
-                /* 0, or at least the scale: above SMALLEST, normal */                                           \
+                /* 0, or at least the scale: normal (the scale dtype's smallest normal at least) */               \
                 const __m512 p = _mm512_mul_ps(t, sc);                                                           \
                 const __m512 a = scale_kind == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, scale_kind);        \
                 __m512 c = divide ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));            \
