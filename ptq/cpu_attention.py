@@ -61,10 +61,10 @@ def beats_torch(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the calibration passes take the compiled kernel for tensors of this dtype:
     where it runs (available), but for bf16 on a CPU with AMX, whose tiles torch's own
     flash-attention kernel multiplies on (its brgemm). Read from the CPU's flags, never
-    timed. On a 2-core Xeon with AMX, one thread, causal GFLOP/s compiled against torch's:
-    72 / 125 (9 heads of 64, 256 positions), 71 / 81 (8 of 32, 512), 89 / 349 (32 of 128,
-    2048); the SmolLM2-shaped GPTQ 7.25 -> 7.10 s, the bundled model's 0.72 -> 0.67 s.
-    scripts/bench_cpu_attention.py times both on any CPU."""
+    timed. On a 2-core Xeon with AMX, one thread, causal GFLOP/s compiled against torch's
+    (scripts/bench_cpu_attention.py, which times both on any CPU): 68 / 127 (9 heads of 64,
+    256 positions), 68 / 84 (8 of 32, 512), 89 / 317 (32 of 128, 2048); the SmolLM2-shaped
+    GPTQ 7.25 -> 7.10 s, the bundled model's 0.72 -> 0.67 s."""
     return available(dtype) and not (dtype == torch.bfloat16 and compiled.amx())
 
 

@@ -226,6 +226,12 @@ CANDIDATES_OF_ROW(candidates_of_row, AVX512, to_bf16_v, store_bf16_v, never_odd)
    apart from 0; -w where c is 0) unless w is subnormal (odd: VFPCLASSPS). */
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+/* whether candidates_of_row_bf16 runs here (the instructions BF16_TARGET names) */
+static int bf16_rounding(void) {
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
 BF16_TARGET static inline __m512 to_bf16_cvt(__m512 x) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -303,31 +309,34 @@ AVX512 static int reciprocals(const float *s, float *rs, int64_t n, float *smax)
 }
 #endif
 
+enum { PORTABLE = 1, NO_BF16_ROUNDING = 2 }; /* ptq_awq_candidates' paths other than the fastest */
+
 /* Candidate weights of rows [r0, r1) of W [rows, in] (float32) for the candidate scales
    s [in]: groups of `size` consecutive columns (in for one group per row), the scale
    rounded to scale_kind, the candidate to weight_kind (SCALE_* both). Writes the candidate,
    or (delta) the candidate minus W, in out_kind into out [rows, in] (rows r0..r1 only).
-   portable: 0, the fastest path here; 1, never the AVX-512 path; 2, the AVX-512 path
-   without AVX512-BF16's rounding (all three the same bits: for tests). Returns 0, or 1
+   path: 0, the fastest here; 1, never the AVX-512 path (PORTABLE); 2, the AVX-512 path
+   without AVX512-BF16's rounding (NO_BF16_ROUNDING). All three give the same bits (1 and
+   2 for tests). Returns 0, or 1
    when memory ran out. */
 int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s, int64_t size,
                        int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
-                       int32_t delta, int32_t out_kind, void *out, int32_t portable) {
+                       int32_t delta, int32_t out_kind, void *out, int32_t path) {
     const int64_t groups = in / size;
     float *x = malloc((size_t)(2 * in + 4 * groups) * sizeof(float)); /* x, then rs and params */
     if (!x)
         return 1;
 #if HAS_AVX512
     float smax;
-    if (portable != 1 && size % 16 == 0 && __builtin_cpu_supports("avx512f") && reciprocals(s, x + in, in, &smax)) {
-        const int cvt = portable == 0 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (path != PORTABLE && size % 16 == 0 && __builtin_cpu_supports("avx512f") &&
+        reciprocals(s, x + in, in, &smax)) {
+        const int cvt = path != NO_BF16_ROUNDING && bf16_rounding();
         candidate_rows_avx512(r0, r1, W, in, s, x + in, smax, size, scale_kind, qmin, qmax, asym, weight_kind, delta,
                               out_kind, out, x + 2 * in, x, cvt);
     } else
 #endif
         candidate_rows(r0, r1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta, out_kind, out, x);
-    (void)portable;
+    (void)path;
     free(x);
     return 0;
 }

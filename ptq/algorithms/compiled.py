@@ -155,7 +155,7 @@ def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dt
     status = library()[0].ptq_awq_candidates(
         0, rows, W32.data_ptr(), cols, s.data_ptr(), size, KINDS[scale_dtype], float(args.qmin), float(args.qmax),
         int(not args.symmetric), KINDS[weight_dtype], int(delta), KINDS[out.dtype], out.data_ptr(),
-        1 if portable else 0 if bf16_instructions else 2)
+        1 if portable else 0 if bf16_instructions else 2)  # the C code's path: PORTABLE 1, NO_BF16_ROUNDING 2
     if status:
         raise MemoryError("AWQ's compiled grid ran out of memory for one row")
     return out
