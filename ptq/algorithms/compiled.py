@@ -3,8 +3,9 @@ gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packi
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
 on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (the same two), the calibration
-passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention) and RMSNorms
-(ptq/cpu_norm.c, driven from ptq.cpu_norm), and
+passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention), RMSNorms
+(ptq/cpu_norm.c, driven from ptq.cpu_norm) and per-channel sums and maxima of |x|
+(ptq/calibration/channel_stats.c, driven from here: abs_column_stat), and
 moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
 copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
 One library, built at install when a C compiler is there (setup.py); without one ptq
@@ -33,7 +34,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 9  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 10  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -114,6 +115,9 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_rms_norm_bf16.argtypes = [_P, _I, _P, _I, _I, _I, _F, _C, _C, _P, _I]
     lib.ptq_sum_squares_bf16.restype = ctypes.c_int
     lib.ptq_sum_squares_bf16.argtypes = [_P, _I, _I, _I, _C, _P]
+    for name in ("ptq_abs_column_sums", "ptq_abs_column_maxs"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [_P, _I, _I, _I, _I, _C, _P]
     return lib, None
 
 
@@ -326,6 +330,22 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
         tiles()
     out = torch.empty(n, n, dtype=torch.float32)
     return out if lib.ptq_inverse_copy(X.data_ptr(), padded, n, out.data_ptr()) == 0 else None
+
+
+def abs_column_stat(x: Tensor, stat: str) -> Tensor | None:
+    """Σ_r |x[r, c]| (stat "sum") or max_r |x[r, c]| ("max") over the rows of x [rows, n],
+    float32 [n], in one pass over x (channel_stats.c: its sums in one fixed order); None
+    where the compiled code does not take x (the library not built, not a CPU tensor, a
+    dtype other than bf16 and float32, not unit stride along n): the caller uses torch."""
+    lib = library()[0]
+    if lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
+        return None
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        return None
+    out = torch.empty(x.shape[1], dtype=torch.float32)
+    function = {"sum": lib.ptq_abs_column_sums, "max": lib.ptq_abs_column_maxs}[stat]
+    function(x.data_ptr(), x.stride(0), x.shape[0], 0, x.shape[1], int(x.dtype == torch.bfloat16), out.data_ptr())
+    return out
 
 
 def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:
