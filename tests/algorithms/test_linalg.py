@@ -85,11 +85,15 @@ def test_gemm_subtract_against_float64(m, n, k):
 
 
 @needs_gemm
-def test_gemm_subtract_slices_give_the_bits_of_the_whole():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gemm_subtract_slices_give_the_bits_of_the_whole(transposed):
     # the column loop gives each thread a slice of the output's columns (multiples of 16 but
-    # the last) and the rows after the block: any slicing, the same bits
+    # the last) and the rows after the block: any slicing, the same bits. Slices of rows
+    # move rows between the copied tiles of 8 and the rows left over, read in place, and
+    # slices of columns between whole blocks of 32 and masked ones: every path, one result
     g = torch.Generator().manual_seed(3)
-    C, A, B = torch.randn(203, 157, generator=g), torch.randn(203, 128, generator=g), torch.randn(128, 157, generator=g)
+    C, B = torch.randn(203, 157, generator=g), torch.randn(128, 157, generator=g)
+    A = torch.randn(128, 203, generator=g).t() if transposed else torch.randn(203, 128, generator=g)
     whole = C.clone()
     compiled.gemm_subtract(whole, A, B)
     for cuts in ([0, 16, 157], [0, 48, 96, 157], [0, 157]):
