@@ -94,14 +94,16 @@ AVX512 static void gemm_subtract(float *C, int64_t ldc, const float *A, int64_t 
                 memcpy(panel + p * BLOCK, B + p * ldb + j0, (size_t)w * sizeof(float));
             b = panel, lb = BLOCK;
         }
+        /* a tile's rows of A: copied ([k][8]) or in place */
+        const int64_t tr = packed ? 1 : ar, tp = packed ? ROWS : ap;
         int64_t i0 = 0;
-        for (; i0 < whole; i0 += ROWS)
-            if (packed && w == BLOCK) /* constant masks: plain loads */
-                tile_subtract(C + i0 * ldc + j0, ldc, packed + i0 * k, 1, ROWS, b, lb, k, ROWS, 0xFFFF, 0xFFFF);
-            else if (packed)
-                tile_subtract(C + i0 * ldc + j0, ldc, packed + i0 * k, 1, ROWS, b, lb, k, ROWS, m0, m1);
+        for (; i0 < whole; i0 += ROWS) {
+            const float *a = packed ? packed + i0 * k : A + i0 * ar;
+            if (w == BLOCK) /* constant masks: plain loads */
+                tile_subtract(C + i0 * ldc + j0, ldc, a, tr, tp, b, lb, k, ROWS, 0xFFFF, 0xFFFF);
             else
-                tile_subtract(C + i0 * ldc + j0, ldc, A + i0 * ar, ar, ap, b, lb, k, ROWS, m0, m1);
+                tile_subtract(C + i0 * ldc + j0, ldc, a, tr, tp, b, lb, k, ROWS, m0, m1);
+        }
         for (; i0 < m; i0++)
             tile_subtract(C + i0 * ldc + j0, ldc, A + i0 * ar, ar, ap, b, lb, k, 1, m0, m1);
     }

@@ -305,38 +305,38 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
     float C[32][32];
     for (int64_t j0 = 0, j1; j0 < blocks; j0 = j1) {
         j1 = panel_end(j0, blocks);
-    for (int64_t r = 0; r < rows; r += 32) {
-        const uint16_t *d0 = D + r * in, *d1 = d0 + 16 * in;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t jb = j0; jb < j1; jb++) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            const uint16_t *g = GV + jb * blocks * 2 * TILE;
-            for (int64_t kb = 0; kb <= jb; kb++) {
-                _tile_loadd(4, d0 + kb * 32, row_bytes);
-                _tile_loadd(5, d1 + kb * 32, row_bytes);
-                _tile_loadd(6, g + kb * 2 * TILE, 64);
-                _tile_loadd(7, g + kb * 2 * TILE + TILE, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+        for (int64_t r = 0; r < rows; r += 32) {
+            const uint16_t *d0 = D + r * in, *d1 = d0 + 16 * in;
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t jb = j0; jb < j1; jb++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t *g = GV + jb * blocks * 2 * TILE;
+                for (int64_t kb = 0; kb <= jb; kb++) {
+                    _tile_loadd(4, d0 + kb * 32, row_bytes);
+                    _tile_loadd(5, d1 + kb * 32, row_bytes);
+                    _tile_loadd(6, g + kb * 2 * TILE, 64);
+                    _tile_loadd(7, g + kb * 2 * TILE + TILE, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, &C[0][0], 128);
+                _tile_stored(1, &C[0][16], 128);
+                _tile_stored(2, &C[16][0], 128);
+                _tile_stored(3, &C[16][16], 128);
+                for (int m = 0; m < 32; m++) /* C's rows times D's */
+                    sum = add_row_products(sum, _mm512_loadu_ps(C[m]), _mm512_loadu_ps(C[m] + 16),
+                                           D + (r + m) * in + jb * 32);
             }
-            _tile_stored(0, &C[0][0], 128);
-            _tile_stored(1, &C[0][16], 128);
-            _tile_stored(2, &C[16][0], 128);
-            _tile_stored(3, &C[16][16], 128);
-            for (int m = 0; m < 32; m++) /* C's rows times D's */
-                sum = add_row_products(sum, _mm512_loadu_ps(C[m]), _mm512_loadu_ps(C[m] + 16),
-                                       D + (r + m) * in + jb * 32);
+            float lanes[16];
+            _mm512_storeu_ps(lanes, sum);
+            for (int l = 0; l < 16; l++)
+                total += lanes[l];
         }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, sum);
-        for (int l = 0; l < 16; l++)
-            total += lanes[l];
-    }
     }
     _tile_release();
     return total;
@@ -353,34 +353,35 @@ __attribute__((target("avx512f,avx512bf16"))) double ptq_gram_quadratic_avx512(c
     double total = 0;
     for (int64_t j0 = 0, j1; j0 < blocks; j0 = j1) {
         j1 = panel_end(j0, blocks);
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t r = r0; r < r0 + 32; r += GRAM_ROWS)
-            for (int64_t jb = j0; jb < j1; jb++) {
-                __m512 acc[GRAM_ROWS][2];
-                for (int m = 0; m < GRAM_ROWS; m++)
-                    acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-                const uint16_t *g = GV + jb * blocks * 2 * TILE;
-                for (int64_t kb = 0; kb <= jb; kb++)
-                    for (int64_t p = 0; p < 16; p++) {
-                        const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + p * 32));
-                        const __m512bh v1 =
-                            (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + TILE + p * 32));
-                        for (int m = 0; m < GRAM_ROWS; m++) {
-                            const uint32_t pair = ((const uint32_t *)(D + (r + m) * in + kb * 32))[p];
-                            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
-                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, v0);
-                            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, v1);
+        for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t r = r0; r < r0 + 32; r += GRAM_ROWS)
+                for (int64_t jb = j0; jb < j1; jb++) {
+                    __m512 acc[GRAM_ROWS][2];
+                    for (int m = 0; m < GRAM_ROWS; m++)
+                        acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+                    const uint16_t *g = GV + jb * blocks * 2 * TILE;
+                    for (int64_t kb = 0; kb <= jb; kb++)
+                        for (int64_t p = 0; p < 16; p++) {
+                            const __m512bh v0 =
+                                (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + p * 32));
+                            const __m512bh v1 =
+                                (__m512bh)_mm512_loadu_si512((const void *)(g + kb * 2 * TILE + TILE + p * 32));
+                            for (int m = 0; m < GRAM_ROWS; m++) {
+                                const uint32_t pair = ((const uint32_t *)(D + (r + m) * in + kb * 32))[p];
+                                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+                                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, v0);
+                                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, v1);
+                            }
                         }
-                    }
-                for (int m = 0; m < GRAM_ROWS; m++) /* the block's rows times D's */
-                    sum = add_row_products(sum, acc[m][0], acc[m][1], D + (r + m) * in + jb * 32);
-            }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, sum);
-        for (int l = 0; l < 16; l++)
-            total += lanes[l];
-    }
+                    for (int m = 0; m < GRAM_ROWS; m++) /* the block's rows times D's */
+                        sum = add_row_products(sum, acc[m][0], acc[m][1], D + (r + m) * in + jb * 32);
+                }
+            float lanes[16];
+            _mm512_storeu_ps(lanes, sum);
+            for (int l = 0; l < 16; l++)
+                total += lanes[l];
+        }
     }
     return total;
 }
