@@ -1,7 +1,8 @@
 """ptq's compiled loops (ptq/algorithms/gptq_loop.c: GPTQ's column loop; awq_grid.c: AWQ's
 candidate grid; ptq/packing.c: int32 packing; ptq/calibration/gram_amx.c: Hessians with
 AMX or AVX512-BF16; ptq/algorithms/transpose.c: transposed copies; ptq/cpu_attention.c and
-ptq/cpu_norm.c: the calibration passes' causal attention and RMSNorms; ptq/calibration/channel_stats.c:
+ptq/cpu_norm.c: the calibration passes' causal attention and RMSNorms; ptq/cpu_mlp.c: their SiLU-gated
+products; ptq/calibration/channel_stats.c:
 their per-channel sums and maxima of |x|), built when a C compiler is there;
 without one ptq installs all the same and runs the torch references (the report says so).
 Everything else about the package is in pyproject.toml."""
@@ -23,7 +24,7 @@ setup(
             "ptq.algorithms._compiled",
             sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
                      "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
-                     "ptq/algorithms/linalg.c", "ptq/cpu_norm.c",
+                     "ptq/algorithms/linalg.c", "ptq/cpu_norm.c", "ptq/cpu_mlp.c",
                      "ptq/calibration/channel_stats.c"],
             depends=["ptq/algorithms/quant_math.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)

@@ -4,7 +4,8 @@ gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), int32 packi
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
 on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (the same two), the calibration
 passes' causal attention (ptq/cpu_attention.c, driven from ptq.cpu_attention), RMSNorms
-(ptq/cpu_norm.c, driven from ptq.cpu_norm) and per-channel sums and maxima of |x|
+(ptq/cpu_norm.c, driven from ptq.cpu_norm), SiLU-gated products (ptq/cpu_mlp.c, driven
+from ptq.cpu_mlp) and per-channel sums and maxima of |x|
 (ptq/calibration/channel_stats.c, driven from here: abs_column_stat), and
 moves of 32-bit matrices (transpose.c): transposed copies with a gather (GPTQ's working
 copy and its codes), a gather of rows and columns, a triangle mirrored, a reversal in place.
@@ -34,7 +35,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 10  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 11  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -115,6 +116,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_rms_norm_bf16.argtypes = [_P, _I, _P, _I, _I, _I, _F, _C, _C, _P, _I]
     lib.ptq_sum_squares_bf16.restype = ctypes.c_int
     lib.ptq_sum_squares_bf16.argtypes = [_P, _I, _I, _I, _C, _P]
+    lib.ptq_silu_mul_bf16.restype = ctypes.c_int64
+    lib.ptq_silu_mul_bf16.argtypes = [_P, _P, _P, _I, _C, _P]
     for name in ("ptq_abs_column_sums", "ptq_abs_column_maxs"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_P, _I, _I, _I, _I, _C, _P]

@@ -20,6 +20,7 @@ and with which observer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ptq import cpu_mlp
 from ptq.calibration.observers import Observer
 from ptq.cpu_attention import compiled_attention
 from ptq.devices import map_side_by_side
@@ -274,9 +276,10 @@ class BlockRun:
         handles += [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
         if stop_at is not None:
             handles.append(stop_at.register_forward_pre_hook(_raise_stop))
-        try:
-            for calls in self.map_batches(run):
-                replay(calls)
+        try:  # on a CPU, Llama-style MLPs' products compiled (ptq.cpu_mlp): the same bits
+            with cpu_mlp.compiled_products(self.block) if self.device.type == "cpu" else contextlib.nullcontext():
+                for calls in self.map_batches(run):
+                    replay(calls)
         finally:
             for handle in handles:
                 handle.remove()
