@@ -22,9 +22,10 @@ no autograd. Anything else runs the module's own forward.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -95,6 +96,29 @@ def _forward(module: nn.Module, x: Tensor) -> Tensor | None:
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
     return rms_norm(x, weight, module.variance_epsilon) if applies else None
+
+
+@contextlib.contextmanager
+def compiled_norms(block: nn.Module) -> Iterator[int]:
+    """The block's Llama-style RMSNorms (compiled_forward) compute compiled while inside,
+    where the compiled norm applies to the call (else their class's forward): the norm set
+    as the instance's forward, none where the instance has one of its own (accelerate's
+    offloading sets one); yields how many. For passes that call the block as it is (AWQ's
+    and SmoothQuant's statistics); the true-sequential engine's own stand-ins
+    (ptq.calibration.sequential._Memo) call compiled_forward themselves."""
+    found = [(m, f) for m in block.modules() if "forward" not in vars(m) and (f := compiled_forward(m)) is not None]
+    for module, forward in found:
+        module.forward = functools.partial(_compiled_or_own, module, forward)
+    try:
+        yield len(found)
+    finally:
+        for module, _ in found:
+            del module.forward
+
+
+def _compiled_or_own(module: nn.Module, forward: Callable[[Tensor], Tensor | None], x: Tensor, *args, **kwargs):
+    output = None if args or kwargs else forward(x)
+    return type(module).forward(module, x, *args, **kwargs) if output is None else output
 
 
 def _hooked(module: nn.Module) -> bool:

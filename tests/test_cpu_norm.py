@@ -107,3 +107,48 @@ def test_only_llama_style_norms_of_bf16_inputs_on_a_cpu():
         handle.remove()
         assert forward(x) is not None
     assert forward(x) is None  # autograd on: the weight requires grad
+
+
+@needs_kernel
+def test_compiled_norms_inside_a_block_give_its_own_bits():
+    """compiled_norms sets the compiled norm as the forward of a decoder layer's two
+    Llama-style norms while inside: the layer's output keeps its bits, the norm computes
+    compiled (spied), each module has its class's forward again after; a norm with hooks
+    or a forward of its own is left to them."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16).eval()
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = (torch.rand(128) + 0.5).to(torch.bfloat16)
+    x = _inputs((2, 16, 128))
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    embeddings = LlamaRotaryEmbedding(config)(x, positions)
+    with torch.no_grad():
+        expected = layer(x, position_embeddings=embeddings)
+        calls = []
+        rms_norm = cpu_norm.rms_norm
+        cpu_norm.rms_norm = lambda *a, **k: calls.append(1) or rms_norm(*a, **k)
+        try:
+            with cpu_norm.compiled_norms(layer) as count:
+                assert count == 2 and "forward" in vars(layer.input_layernorm)
+                got = layer(x, position_embeddings=embeddings)
+        finally:
+            cpu_norm.rms_norm = rms_norm
+    assert calls == [1, 1] and _same(got, expected)
+    assert "forward" not in vars(layer.input_layernorm) and "forward" not in vars(layer.post_attention_layernorm)
+    layer.input_layernorm.register_forward_hook(lambda *_: None)
+    layer.post_attention_layernorm.forward = lambda h: h  # offloading's own forward
+    with torch.no_grad(), cpu_norm.compiled_norms(layer) as count:
+        assert count == 1  # the hooked one is patched, and runs its class's forward at the call:
+        calls.clear()
+        cpu_norm.rms_norm = lambda *a, **k: calls.append(1) or rms_norm(*a, **k)
+        try:
+            layer.input_layernorm(x)
+        finally:
+            cpu_norm.rms_norm = rms_norm
+    assert calls == [] and layer.post_attention_layernorm.forward(x) is x

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ptq import cpu_mlp
+from ptq import cpu_mlp, cpu_norm
 from ptq.calibration.observers import Observer
 from ptq.cpu_attention import compiled_attention
 from ptq.devices import map_side_by_side
@@ -276,8 +276,8 @@ class BlockRun:
         handles += [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
         if stop_at is not None:
             handles.append(stop_at.register_forward_pre_hook(_raise_stop))
-        try:  # on a CPU, Llama-style MLPs' products compiled (ptq.cpu_mlp): the same bits
-            with cpu_mlp.compiled_products(self.block) if self.device.type == "cpu" else contextlib.nullcontext():
+        try:
+            with compiled_glue(self.block) if self.device.type == "cpu" else contextlib.nullcontext():
                 for calls in self.map_batches(run):
                     replay(calls)
         finally:
@@ -337,6 +337,14 @@ class BlockRun:
             return list(self.map_batches(
                 lambda _i, args, kwargs: _with_hidden(args, kwargs, self.keep(_hidden(self.block(*args, **kwargs)))),
                 bounded=False))
+
+
+@contextmanager
+def compiled_glue(block: nn.Module) -> Iterator[None]:
+    """On a CPU, the block's Llama-style RMSNorms and MLP products compiled while inside
+    (ptq.cpu_norm, ptq.cpu_mlp: the same bits as transformers' code)."""
+    with cpu_norm.compiled_norms(block), cpu_mlp.compiled_products(block):
+        yield
 
 
 def _raise_stop(_module, _args):
