@@ -53,14 +53,17 @@ def _reference() -> tuple | None:
     return _code(LlamaRMSNorm.forward)
 
 
-@functools.cache
 def lanes() -> int | None:
     """The vector width (16 or 8 floats) in whose order ATen sums a row here: the one whose
     sums of squares are torch's on a probe of random bf16 rows; None where neither is (or
-    the library is not built): then the compiled norm does not run."""
+    the library is not built): then the compiled norm does not run. Found once per library
+    loaded (a call while none is, as in a test that takes it away, is not remembered)."""
     lib = compiled.library()[0]
-    if lib is None:
-        return None
+    return None if lib is None else _lanes_of(lib)
+
+
+@functools.cache
+def _lanes_of(lib) -> int | None:
     g = torch.Generator().manual_seed(0)
     probes = [(torch.randn(PROBE_ROWS, n, generator=g) * 4).to(torch.bfloat16) for n in PROBE_FEATURES]
 

@@ -152,3 +152,14 @@ def test_compiled_norms_inside_a_block_give_its_own_bits():
         finally:
             cpu_norm.rms_norm = rms_norm
     assert calls == [] and layer.post_attention_layernorm.forward(x) is x
+
+
+@needs_kernel
+def test_a_call_without_the_library_is_not_remembered(monkeypatch):
+    """lanes() asked while the library is taken away (as a test of the torch fallbacks does)
+    says None then, and the order again once it is back."""
+    found = cpu_norm.lanes()
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "library", lambda: (None, "no compiler here"))
+        assert cpu_norm.lanes() is None
+    assert cpu_norm.lanes() == found in (16, 8)
