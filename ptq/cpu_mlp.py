@@ -36,6 +36,7 @@ from ptq.algorithms import compiled
 from ptq.cpu_norm import _code, _hooked
 from ptq.devices import cpu_threads
 
+
 @functools.cache
 def _reference() -> tuple | None:
     try:
