@@ -109,6 +109,8 @@ def compiled_products(block: nn.Module) -> Iterator[list[str]]:
     compiled while inside (_forward set as the instance's forward); yields their names."""
     names = [name for name, module in block.named_modules() if applies_to(module)]
     modules = [block.get_submodule(name) for name in names]
+    if modules:  # made here, on the calling thread, before the passes' threads look it up
+        silu_table()
     for module in modules:
         module.forward = functools.partial(_forward, module)
     try:
