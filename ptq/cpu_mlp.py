@@ -33,17 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from ptq.algorithms import compiled
-from ptq.cpu_norm import _code, _hooked
 from ptq.devices import cpu_threads
-
-
-@functools.cache
-def _reference() -> tuple | None:
-    try:
-        from transformers.models.llama.modeling_llama import LlamaMLP
-    except ImportError:
-        return None
-    return _code(LlamaMLP.forward)
+from ptq.glue import hooked, instance_forwards, runs_llama_code
 
 
 def _silu_types() -> tuple[type, ...]:
@@ -68,7 +59,7 @@ def silu_table() -> Tensor:
 def applies_to(module: nn.Module) -> bool:
     """Whether module is a Llama-style MLP with a SiLU whose product the compiled code may
     compute here (the library is built)."""
-    if _reference() is None or _code(type(module).forward) != _reference() or "forward" in vars(module):
+    if not runs_llama_code(module, "LlamaMLP"):
         return False
     if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj")):
         return False
@@ -95,7 +86,7 @@ def silu_mul(gate: Tensor, up: Tensor, portable: bool = False) -> Tensor | None:
 def _forward(module: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
     """LlamaMLP.forward with the product compiled where silu_mul applies; the class's own
     forward for another call than x alone, or where calling act_fn would run hooks."""
-    if args or kwargs or _hooked(module.act_fn):
+    if args or kwargs or hooked(module.act_fn):
         return type(module).forward(module, x, *args, **kwargs)
     gate = module.gate_proj(x)
     up = module.up_proj(x)
@@ -111,10 +102,5 @@ def compiled_products(block: nn.Module) -> Iterator[list[str]]:
     modules = [block.get_submodule(name) for name in names]
     if modules:  # made here, on the calling thread, before the passes' threads look it up
         silu_table()
-    for module in modules:
-        module.forward = functools.partial(_forward, module)
-    try:
+    with instance_forwards([(module, functools.partial(_forward, module)) for module in modules]):
         yield names
-    finally:
-        for module in modules:
-            del module.forward

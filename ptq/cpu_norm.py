@@ -8,7 +8,7 @@ rounding); the compiled one reads a row twice, to sum its squares and to write i
 outputs, in the same float32 steps, and sums in the order of the ATen kernel that sums
 here: the same bits as torch's. Which order that is (vectors of 16 floats or of 8: torch
 2.13 sums with its AVX2 kernel on an AVX-512 CPU too) lanes() finds once, on a probe. The
-calibration passes compute two norms per block and batch (each once: _Memo in
+calibration passes compute two norms per block and batch (each once: Memo in
 ptq.calibration.sequential). On a 2-core AMD EPYC (Zen 5), 2048 tokens on one thread:
 SmolLM2's 576 features 0.36 against 0.55-0.59 ms, 1536 0.78 against 2.4 ms; the
 SmolLM2-shaped GPTQ job (W4 g64, 32 x 256 tokens) 6.90 against 7.23 s, medians of nine
@@ -31,26 +31,12 @@ import torch
 from torch import Tensor, nn
 
 from ptq.algorithms import compiled
+from ptq.glue import code_of, hooked, instance_forwards, llama_code
 
 MIN_FEATURES = 64  # fewer: ATen may sum a row in scalar loops, another order
 MAX_FEATURES = 32768  # from ATen's grain size on, a single row's sum is split across threads
 PROBE_FEATURES = (100, 576, 4160)  # a tail of 4 values; 576; long enough for the sum's cascade
 PROBE_ROWS = 64
-
-
-def _code(function) -> tuple | None:
-    """What identifies a Python function's computation: its bytecode, names and constants."""
-    code = getattr(function, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts, code.co_varnames)
-
-
-@functools.cache
-def _reference() -> tuple | None:
-    try:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    except ImportError:
-        return None
-    return _code(LlamaRMSNorm.forward)
 
 
 def lanes() -> int | None:
@@ -82,7 +68,8 @@ def _lanes_of(lib) -> int | None:
 def compiled_forward(module: nn.Module) -> Callable[[Tensor], Tensor | None] | None:
     """x -> module(x) by the compiled norm, or None for an x it does not apply to; None
     when module is not a Llama-style RMSNorm or the compiled norm does not run here."""
-    if _reference() is None or _code(type(module).forward) != _reference():
+    reference = llama_code("LlamaRMSNorm")
+    if reference is None or code_of(type(module).forward) != reference:
         return None
     if not isinstance(getattr(module, "weight", None), Tensor) or not isinstance(
             getattr(module, "variance_epsilon", None), float):
@@ -95,7 +82,7 @@ def _forward(module: nn.Module, x: Tensor) -> Tensor | None:
     applies = (
         x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
         and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0]
-        and MIN_FEATURES <= x.shape[-1] < MAX_FEATURES and x.stride(-1) == 1 and not _hooked(module)
+        and MIN_FEATURES <= x.shape[-1] < MAX_FEATURES and x.stride(-1) == 1 and not hooked(module)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
     return rms_norm(x, weight, module.variance_epsilon) if applies else None
@@ -108,27 +95,15 @@ def compiled_norms(block: nn.Module) -> Iterator[int]:
     as the instance's forward, none where the instance has one of its own (accelerate's
     offloading sets one); yields how many. For passes that call the block as it is (AWQ's
     and SmoothQuant's statistics); the true-sequential engine's own stand-ins
-    (ptq.calibration.sequential._Memo) call compiled_forward themselves."""
+    (ptq.calibration.memo.Memo) call compiled_forward themselves."""
     found = [(m, f) for m in block.modules() if "forward" not in vars(m) and (f := compiled_forward(m)) is not None]
-    for module, forward in found:
-        module.forward = functools.partial(_compiled_or_own, module, forward)
-    try:
+    with instance_forwards([(m, functools.partial(_compiled_or_own, m, f)) for m, f in found]):
         yield len(found)
-    finally:
-        for module, _ in found:
-            del module.forward
 
 
 def _compiled_or_own(module: nn.Module, forward: Callable[[Tensor], Tensor | None], x: Tensor, *args, **kwargs):
     output = None if args or kwargs else forward(x)
     return type(module).forward(module, x, *args, **kwargs) if output is None else output
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling module would run hooks (its own or global ones)."""
-    hooks = nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
-                or hooks._global_forward_pre_hooks)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, portable: bool = False) -> Tensor:

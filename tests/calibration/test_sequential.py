@@ -6,6 +6,8 @@ from torch import nn
 
 from ptq.algorithms.rtn import rtn
 from ptq.arch import find_blocks
+from ptq.calibration import memo as norm_memo
+from ptq.calibration.memo import Batch, Memo
 from ptq.calibration.observers import HessianObserver
 from ptq.calibration.runner import run_blocks
 from ptq.calibration.sequential import execution_stages, quantize_block_sequentially
@@ -109,12 +111,11 @@ def test_norms_of_the_block_input_or_of_a_stage_input_are_computed_once_per_batc
     # returned again after. post_attention_layernorm's output is the gate/up stage's input:
     # computed in that stage's pass, given back in the two passes after it (which would
     # compute it again from a residual sum of the same values). Nothing changes by a bit.
-    from ptq.calibration import sequential
 
     def run(memo: bool):
         if not memo:
-            monkeypatch.setattr(sequential, "_identical", lambda *_: False)
-            monkeypatch.setattr(sequential._Memo, "claim", lambda *_: False)
+            monkeypatch.setattr(norm_memo, "_identical", lambda *_: False)
+            monkeypatch.setattr(Memo, "claim", lambda *_: False)
         model = tiny_model("llama", dtype=torch.float32)
         calls = {}
         for name, module in model.named_modules():
@@ -185,7 +186,6 @@ def test_replays_are_copied_only_for_a_later_pass(monkeypatch):
 
 
 def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs():
-    from ptq.calibration import sequential
 
     class Counting(nn.Module):
         def __init__(self):
@@ -197,8 +197,8 @@ def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs()
             return x * scale
 
     inner = Counting()
-    batch = sequential._Batch(torch.device("cpu"))
-    memo = sequential._Memo(inner, batch, batches=2)
+    batch = Batch(torch.device("cpu"))
+    memo = Memo(inner, batch, batches=2)
     x, y = torch.arange(6.0), torch.arange(6.0)
     batch.begin(0, (x,), {})
     first = memo(x)
@@ -224,7 +224,6 @@ def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs()
 
 
 def test_a_claimed_output_comes_back_at_the_first_call_of_each_later_pass_until_the_last():
-    from ptq.calibration import sequential
 
     class Counting(nn.Module):
         def __init__(self):
@@ -236,8 +235,8 @@ def test_a_claimed_output_comes_back_at_the_first_call_of_each_later_pass_until_
             return x * 2
 
     inner = Counting()
-    batch = sequential._Batch(torch.device("cpu"))
-    memo = sequential._Memo(inner, batch, batches=2)
+    batch = Batch(torch.device("cpu"))
+    memo = Memo(inner, batch, batches=2)
     block_input = torch.zeros(3)
     batch.begin(0, (block_input,), {})
     first, second = memo(torch.ones(3)), memo(torch.ones(3))  # not the block's input: computed
