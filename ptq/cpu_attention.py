@@ -1,8 +1,8 @@
 """The calibration passes' causal attention on a CPU: compiled (ptq/cpu_attention.c) in place
 of torch's scaled_dot_product_attention, which transformers' "sdpa" implementation calls and
 which stays the reference (tests compare the two). bf16 passes take it on a CPU with
-AVX512-BF16 and no AMX (on AMX torch's kernel is the faster: beats_torch), float32 ones (a
-float32 model, or any on a CPU without fast bf16) on one with AVX2 and FMA.
+AVX512-BF16 (with AMX, its products on the tiles), float32 ones (a float32 model, or any on
+a CPU without fast bf16) on one with AVX2 and FMA.
 
 torch's CPU kernel runs at 60-70 GFLOP/s on one core of a 2-core EPYC (Zen 5) for
 SmolLM2's heads (256 positions, 64 dimensions), a fifth of the bf16 GEMM rate: 3.2
@@ -59,20 +59,23 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 def beats_torch(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the calibration passes take the compiled kernel for tensors of this dtype:
-    where it runs (available), but for bf16 on a CPU with AMX, whose tiles torch's own
-    flash-attention kernel multiplies on (its brgemm). Read from the CPU's flags, never
-    timed. On a 2-core Xeon with AMX, one thread, causal GFLOP/s compiled against torch's
-    (scripts/bench_cpu_attention.py, which times both on any CPU): 68 / 127 (9 heads of 64,
-    256 positions), 68 / 84 (8 of 32, 512), 89 / 317 (32 of 128, 2048); the SmolLM2-shaped
-    GPTQ 7.25 -> 7.10 s, the bundled model's 0.72 -> 0.67 s."""
-    return available(dtype) and not (dtype == torch.bfloat16 and compiled.amx())
+    wherever it runs (available), measured faster than torch's everywhere. On a CPU with AMX
+    the bf16 kernel multiplies on the tiles, as torch's own flash-attention kernel does (its
+    brgemm); there, before it did (when the VDPBF16PS code below was all it had), torch's
+    kernel was the faster and kept. One thread of a 2-core Xeon with AMX, ms per sample,
+    compiled on the tiles / torch's (scripts/bench_cpu_attention.py) / compiled with
+    VDPBF16PS: 0.38-0.41 / 0.52-0.57 / 1.01 (9 heads of 64, 256 positions), 0.96-0.98 / 1.51-1.56 / 1.79 (8 of 32,
+    512), 79 / 101 / 369 (32 of 128, 2048). GPTQ on the bundled model 0.56-0.61 -> 0.55-0.60 s,
+    the random benchmark model 3.83 -> 3.75 s, the SmolLM2-shaped one within its noise."""
+    return available(dtype)
 
 
-def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, tiles: bool | None = None) -> Tensor:
     """softmax(q kᵀ · scale, causal) v for query [B, H, S, D] and key, value [B, KV, S, D]
     (bf16 or float32, CPU, unit stride along D; H a multiple of KV, D of HEAD_MULTIPLE):
     [B, S, H, D] in their dtype, the layout transformers' attention functions return.
-    Samples are split across torch's threads (the same bits on any count)."""
+    Samples are split across torch's threads (the same bits on any count). tiles: bf16 on
+    AMX tiles (by default where the CPU has them) or with VDPBF16PS; their last bits differ."""
     B, H, S, D = query.shape
     KV, dtype = key.shape[1], query.dtype
     assert available(dtype) and dtype == key.dtype == value.dtype
@@ -82,7 +85,12 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) ->
     strides = torch.tensor([*query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
                             out.stride(0), out.stride(2), out.stride(1)], dtype=torch.int64)
     lib = compiled.library()[0]
-    kernel = lib.ptq_attention_causal if dtype == torch.bfloat16 else lib.ptq_attention_causal_f32
+    if dtype == torch.bfloat16:
+        tiles = compiled.amx() if tiles is None else tiles
+        assert not tiles or compiled.amx(), "AMX tiles asked for on a CPU without them"
+        kernel = lib.ptq_attention_causal_amx if tiles else lib.ptq_attention_causal
+    else:
+        kernel = lib.ptq_attention_causal_f32
     threads = min(cpu_budget(), B)
 
     def samples(b0: int, b1: int) -> None:

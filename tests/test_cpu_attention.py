@@ -10,38 +10,42 @@ import torch
 import torch.nn.functional as F
 
 from ptq import cpu_attention
+from ptq.algorithms import compiled
 from ptq.cpu_attention import Counts, attention_forward, beats_torch, causal_attention, compiled_attention
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(),
                                   reason="ptq's compiled library is not built, or this CPU has no AVX512-BF16")
 needs_f32_kernel = pytest.mark.skipif(not cpu_attention.available(torch.float32),
                                       reason="ptq's compiled library is not built, or this CPU has no AVX2 and FMA")
+needs_tiles = pytest.mark.skipif(not (cpu_attention.available() and compiled.amx()),
+                                 reason="this CPU has no AMX tiles (or no compiled bf16 attention)")
+# the bf16 kernel's two paths: VDPBF16PS (CPUs with AVX512-BF16 and no AMX) and AMX tiles
+BF16_PATHS = [pytest.param(False, id="vdpbf16ps"), pytest.param(True, id="tiles", marks=needs_tiles)]
 
 
-@pytest.fixture(autouse=True)
-def _compiled_wherever_it_runs(monkeypatch):
-    """The passes take the kernel wherever it runs, AMX CPUs included (where torch's kernel
-    is the faster and ptq leaves it: test_torchs_kernel_where_the_cpu_has_amx)."""
-    monkeypatch.setattr(cpu_attention, "beats_torch", lambda dtype=torch.bfloat16: cpu_attention.available(dtype))
-
-
-def test_torchs_kernel_where_the_cpu_has_amx(monkeypatch):
+def test_compiled_wherever_it_runs_amx_cpus_included():
     import transformers
 
-    from ptq.algorithms import compiled
-
-    assert beats_torch(torch.bfloat16) == (cpu_attention.available(torch.bfloat16) and not compiled.amx())
+    assert beats_torch(torch.bfloat16) == cpu_attention.available(torch.bfloat16)
     assert beats_torch(torch.float32) == cpu_attention.available(torch.float32)
-    monkeypatch.setattr(cpu_attention, "beats_torch", beats_torch)  # the rule, not the fixture's
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     for dtype in (torch.bfloat16, torch.float32):
-        assert cpu_attention.applies(model, "cpu", dtype) == beats_torch(dtype)
-    monkeypatch.setattr(compiled, "amx", lambda: True)
-    assert not cpu_attention.applies(model, "cpu", torch.bfloat16)
-    assert cpu_attention.applies(model, "cpu", torch.float32) == cpu_attention.available(torch.float32)
+        assert cpu_attention.applies(model, "cpu", dtype) == cpu_attention.available(dtype)
+        assert not cpu_attention.applies(model, "meta", dtype)  # passes on an accelerator: torch's
+
+
+@needs_tiles
+def test_tiles_by_default_where_the_cpu_has_them():
+    """The two bf16 paths sum the products in their own orders: on this input 0.03% of the
+    outputs differ in their last bit (measured on a Xeon with AMX), the rest are the same."""
+    q, k, v = _qkv(3, 9, 3, 256, 64, seed=0)
+    default, tiles = causal_attention(q, k, v, 0.125), causal_attention(q, k, v, 0.125, tiles=True)
+    vector = causal_attention(q, k, v, 0.125, tiles=False)
+    assert torch.equal(default, tiles) and not torch.equal(tiles, vector)
+    assert float((tiles == vector).float().mean()) > 0.999
 
 
 def _qkv(batch: int, heads: int, kv_heads: int, seq: int, dim: int, seed: int = 0, amplitude: float = 1.0,
@@ -66,12 +70,13 @@ def _sdpa(q, k, v, dtype=None) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 32), (3, 9, 3, 256, 64), (1, 4, 4, 100, 96), (2, 2, 1, 130, 128),
-                                   (1, 2, 2, 2, 32)])
+                                   (1, 2, 2, 2, 32), (1, 2, 1, 33, 160)])
 @pytest.mark.parametrize("amplitude", [1.0, 8.0])
-def test_as_accurate_as_torchs_kernel(shape, amplitude):
+@pytest.mark.parametrize("tiles", BF16_PATHS)
+def test_as_accurate_as_torchs_kernel(shape, amplitude, tiles):
     q, k, v = _qkv(*shape, amplitude=amplitude)
     exact = _sdpa(q, k, v, torch.float64)
-    mine = causal_attention(q, k, v, shape[-1] ** -0.5)
+    mine = causal_attention(q, k, v, shape[-1] ** -0.5, tiles=tiles)
     torchs = _sdpa(q, k, v)
     assert mine.shape == torchs.shape and mine.dtype == torch.bfloat16 and mine.is_contiguous()
     mine_error, torch_error = (mine.double() - exact).abs(), (torchs.double() - exact).abs()
@@ -101,31 +106,35 @@ def test_float32_as_accurate_as_torchs_kernel(shape, amplitude):
     assert float(mine_error.max()) < 1e-5 * amplitude
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_kernel),
-                                   pytest.param(torch.float32, marks=needs_f32_kernel)])
-def test_the_same_bits_on_any_thread_count_and_layout(dtype):
+KERNELS = [pytest.param(torch.bfloat16, False, marks=needs_kernel, id="bf16-vdpbf16ps"),
+           pytest.param(torch.bfloat16, True, marks=needs_tiles, id="bf16-tiles"),
+           pytest.param(torch.float32, None, marks=needs_f32_kernel, id="float32")]
+
+
+@pytest.mark.parametrize("dtype, tiles", KERNELS)
+def test_the_same_bits_on_any_thread_count_and_layout(dtype, tiles):
     q, k, v = _qkv(4, 6, 2, 70, 64, seed=1, dtype=dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = causal_attention(q, k, v, 0.125)
+        one = causal_attention(q, k, v, 0.125, tiles=tiles)
         torch.set_num_threads(3)
-        three = causal_attention(q, k, v, 0.125)
+        three = causal_attention(q, k, v, 0.125, tiles=tiles)
     finally:
         torch.set_num_threads(before)
-    contiguous = causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    contiguous = causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, tiles=tiles)
     assert torch.equal(one, three) and torch.equal(one, contiguous)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_kernel),
-                                   pytest.param(torch.float32, marks=needs_f32_kernel)])
-def test_each_sample_and_head_depends_on_its_own_inputs_only(dtype):
+@pytest.mark.parametrize("dtype, tiles", KERNELS)
+def test_each_sample_and_head_depends_on_its_own_inputs_only(dtype, tiles):
     q, k, v = _qkv(2, 4, 2, 50, 32, seed=2, dtype=dtype)
-    whole = causal_attention(q, k, v, 0.2)
-    alone = causal_attention(q[1:, 2:4], k[1:, 1:2], v[1:, 1:2], 0.2)  # sample 1, kv head 1's queries
+    whole = causal_attention(q, k, v, 0.2, tiles=tiles)
+    alone = causal_attention(q[1:, 2:4], k[1:, 1:2], v[1:, 1:2], 0.2, tiles=tiles)  # sample 1, kv head 1's queries
     assert torch.equal(whole[1:, :, 2:4], alone)
-    prefix = causal_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], 0.2)  # causal: later keys change nothing
-    assert torch.equal(whole[:, :20], prefix)
+    for end in (20, 17, 1):  # causal: later keys change nothing (ends inside a block of query rows too)
+        prefix = causal_attention(q[:, :, :end], k[:, :, :end], v[:, :, :end], 0.2, tiles=tiles)
+        assert torch.equal(whole[:, :end], prefix)
 
 
 class _Module(torch.nn.Module):

@@ -35,7 +35,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 11  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 12  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -81,6 +81,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I]
     lib.ptq_attention_causal.restype = ctypes.c_int
     lib.ptq_attention_causal.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _F]
+    lib.ptq_attention_causal_amx.restype = ctypes.c_int
+    lib.ptq_attention_causal_amx.argtypes = lib.ptq_attention_causal.argtypes
     lib.ptq_attention_causal_f32.restype = ctypes.c_int
     lib.ptq_attention_causal_f32.argtypes = lib.ptq_attention_causal.argtypes
     lib.ptq_attention_f32_available.restype = ctypes.c_int

@@ -11,7 +11,7 @@
 
 /* ptq_compiled_abi's answer: raised whenever an exported function's arguments change, so that
    a library built before (an editable install not rebuilt) is refused instead of called wrongly */
-enum { PTQ_COMPILED_ABI = 11 };
+enum { PTQ_COMPILED_ABI = 12 };
 
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 }; /* also the dtypes of weights and outputs */
 
@@ -62,6 +62,46 @@ AVX512 static inline __m512 to_bf16_v(__m512 x) {
     u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
+/* rows [16] of 16 32-bit values, transposed in place (4 rounds of shuffles) */
+AVX512 static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3 */
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) { /* row 4L + k: lane L of b[k], b[4 + k], b[8 + k], b[12 + k] */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
+        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+        r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+    }
+}
+
+#if __GNUC__ >= 11
+/* AMX's tile configuration (palette 1): tiles 0-7 as 16 rows of 64 bytes each. A static
+   object: built on the stack, GCC 12 dropped the stores of rows and colsb before
+   ldtilecfg (which then faulted on the reserved bytes left unset). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+static const TileConfig TILES_16x64 = {.palette = 1,
+                                       .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                       .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* this thread's tiles as TILES_16x64 (the process must have asked for AMX: ptq_amx_available) */
+__attribute__((target("amx-tile"))) static inline void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
+#endif
 #else
 #define HAS_AVX512 0
 #endif

@@ -59,30 +59,6 @@ int ptq_amx_available(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* rows [16] of 16 32-bit values, transposed in place (4 rounds of shuffles) */
-__attribute__((target("avx512f"))) static void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3 */
-        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) { /* row 4L + k: lane L of b[k], b[4 + k], b[8 + k], b[12 + k] */
-        const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
-        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
-        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
-        r[k] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-        r[4 + k] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-        r[8 + k] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
-        r[12 + k] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
-    }
-}
-
 /* X [T, n] -> XV and XT (see the header) for the feature blocks [f0, f1) of 16; n a
    multiple of 16, Tp of 32, T <= Tp; the buffers hold `stride` tiles per feature block */
 __attribute__((target("avx512f,avx2"))) void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp,
@@ -186,31 +162,13 @@ __attribute__((target("avx512f,avx512bf16"))) void ptq_gram_avx512(const uint16_
     }
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* this thread's tiles 0-7 as 16 rows of 64 bytes each (0-3: sums, 4-5: A, 6-7: B) */
-__attribute__((target("amx-tile"))) static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
-
 /* sum[i0:i1, j0:n] += XᵀX from the packed tiles of Tp tokens (`stride` tiles per feature
    block in the buffers), in blocks of 32 x 32 on and above the diagonal only; i0, i1, j0
    and n multiples of 32; sum float32 with row stride ld */
 __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp,
                                                                int64_t stride, int64_t n, int64_t i0, int64_t i1,
                                                                int64_t j0, float *sum, int64_t ld) {
-    configure_tiles();
+    configure_tiles(); /* 0-3: sums, 4-5: A, 6-7: B */
     const int64_t tiles = Tp / 32, row_bytes = ld * (int64_t)sizeof(float);
     int64_t panel = PANEL_BYTES / (Tp * 2) / 32 * 32; /* columns whose B tiles stay in the L2 cache */
     panel = panel < 32 ? 32 : panel;
