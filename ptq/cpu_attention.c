@@ -212,7 +212,8 @@ __attribute__((target("avx512f,avx512bw"))) static void pack_values(const uint16
     for (int64_t j = 0; j < S; j += 2)
         for (int64_t d = 0; d < D; d += 32) {
             const __m512i a = _mm512_loadu_si512((const void *)(v + j * vs + d));
-            const __m512i b = j + 1 < S ? _mm512_loadu_si512((const void *)(v + (j + 1) * vs + d)) : _mm512_setzero_si512();
+            const __m512i b =
+                j + 1 < S ? _mm512_loadu_si512((const void *)(v + (j + 1) * vs + d)) : _mm512_setzero_si512();
             uint16_t *out = Vp + ((j / 2) * D + d) * 2;
             _mm512_storeu_si512((void *)out, _mm512_permutex2var_epi16(a, low, b));
             _mm512_storeu_si512((void *)(out + 32), _mm512_permutex2var_epi16(a, high, b));

@@ -64,9 +64,10 @@ def beats_torch(dtype: torch.dtype = torch.bfloat16) -> bool:
     brgemm); there, before it did (when the VDPBF16PS code below was all it had), torch's
     kernel was the faster and kept. One thread of a 2-core Xeon with AMX, ms per sample,
     compiled on the tiles / torch's (scripts/bench_cpu_attention.py) / compiled with
-    VDPBF16PS: 0.38-0.41 / 0.52-0.57 / 1.01 (9 heads of 64, 256 positions), 0.96-0.98 / 1.51-1.56 / 1.79 (8 of 32,
-    512), 79 / 101 / 369 (32 of 128, 2048). GPTQ on the bundled model 0.56-0.61 -> 0.55-0.60 s,
-    the random benchmark model 3.83 -> 3.75 s, the SmolLM2-shaped one within its noise."""
+    VDPBF16PS: 0.38-0.41 / 0.52-0.57 / 1.01 (9 heads of 64, 256 positions), 0.96-0.98 /
+    1.51-1.56 / 1.79 (8 of 32, 512), 79 / 101 / 369 (32 of 128, 2048). GPTQ on the bundled
+    model 0.56-0.61 -> 0.55-0.60 s, the random benchmark model 3.83 -> 3.75 s, the
+    SmolLM2-shaped one within its noise."""
     return available(dtype)
 
 
