@@ -19,7 +19,7 @@ and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 - Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
   inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
   or both at the rate of ptq's compiled factorisation on that size (linalg.c, where it
-  runs: the size at most cholesky.compiled_rows(), its Cholesky on one thread and its
+  runs: the size at most cholesky.compiled_rows(), its Cholesky's updates and its
   inverse's tiles on all from compiled.INVERSE_ROWS rows; above, its compiled blocks on all
   threads where the compiled GEMM runs), whichever is faster;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
@@ -139,8 +139,9 @@ class Rates:
 
     def factorisation(self, n: int) -> float:
         """ptq's compiled Cholesky and inverse of its factor on [n, n], as 2n³/3 FLOPs: in one
-        piece (linalg.c: the Cholesky on one thread, the inverse's tiles on all threads from
-        compiled.INVERSE_ROWS rows) up to cholesky.compiled_rows() rows, above in compiled
+        piece (linalg.c: the Cholesky's updates from compiled.CHOLESKY_ROWS rows and the
+        inverse's tiles from compiled.INVERSE_ROWS rows on all threads) up to
+        cholesky.compiled_rows() rows, above in compiled
         blocks on all threads (cholesky.blocked_inverse_cholesky_, where the compiled GEMM
         runs); 0 where neither runs."""
         from ptq.algorithms import cholesky, compiled

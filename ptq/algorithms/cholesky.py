@@ -18,10 +18,12 @@ the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times 
 On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
 (linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
 LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
-93) and faster than the blocked path on two threads up to 1536 rows. Its Cholesky runs on
-one thread; from compiled.INVERSE_ROWS rows up the inverse's tiles of columns are shared by
-the threads (2-core Zen 5: 1536 rows 10.5-10.8 ms on two threads against 13.1-13.2 on one,
-768 rows 1.6 against 1.8; the same bits). On a CPU with AVX2
+93) and faster than the blocked path on two threads up to 1536 rows. From
+compiled.CHOLESKY_ROWS rows up its Cholesky's updates are shared by the threads (a 2-core
+Xeon with AMX: 1536 rows 8.1-8.5 ms on two threads against 13 on one), and from
+compiled.INVERSE_ROWS rows the inverse's tiles of columns (2-core Zen 5: 1536 rows 10.5-10.8
+ms on two threads against 13.1-13.2 on one, 768 rows 1.6 against 1.8); the same bits on any
+count. On a CPU with AVX2
 and FMA but not AVX-512 the same code in narrower tiles (the same bits) takes matrices of
 up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's 12-14 ms,
 768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
@@ -121,11 +123,11 @@ def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None) -> tupl
 
 
 def on_one_thread(H: Tensor) -> bool:
-    """Whether inverse_cholesky factors H on one thread (a CPU matrix of at most SMALL rows,
-    or compiled_rows() where the compiled factorisation runs: its inverse's columns, from
-    compiled.INVERSE_ROWS rows up, are shared by the threads), leaving the others free for
-    work beside it. Decided by the size alone, never by the thread count: the bits stay the
-    same."""
+    """Whether inverse_cholesky factors H in one piece (a CPU matrix of at most SMALL rows,
+    or compiled_rows() where the compiled factorisation runs: from compiled.CHOLESKY_ROWS
+    and INVERSE_ROWS rows up its pieces are taken by whichever threads come, the calling
+    one alone if no other is free), so that work may run beside it. Decided by the size
+    alone, never by the thread count: the bits stay the same."""
     return H.device.type == "cpu" and (H.shape[0] <= SMALL or _compiled(H))
 
 
@@ -136,7 +138,8 @@ def _compiled(H: Tensor) -> bool:
 def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int
                             ) -> tuple[Tensor | None, float, str | None]:
     """inverse_cholesky where on_one_thread says so: the compiled factorisation where it
-    runs (compiled_rows; its Cholesky on this thread, its inverse's columns shared by
+    runs (compiled_rows; its Cholesky's updates shared by `threads` from
+    compiled.CHOLESKY_ROWS rows up, its inverse's columns shared by
     `threads` from compiled.INVERSE_ROWS rows up), else LAPACK's Cholesky and triangular
     inverse on one thread (H is not changed: the damped matrix is a copy)."""
     if _compiled(H):

@@ -35,13 +35,16 @@ def test_compiled_inverse_of_the_factor(n):
 
 
 @pytest.mark.parametrize("narrow", [False, True])
-@pytest.mark.parametrize("n", [33, 300, 800])
+@pytest.mark.parametrize("n", [33, 300, 800, 1100])
 def test_threads_sharing_the_inverse_give_the_bits_of_one(n, narrow, monkeypatch):
-    # L⁻¹'s tiles of columns shared by 2 or 3 threads (from any size: INVERSE_ROWS lowered),
-    # the same bits as on one; and within 1e-6 of float64, as on one thread
+    # the Cholesky's updates (AVX-512) and L⁻¹'s tiles of columns shared by 2 or 3 threads
+    # (from any size: CHOLESKY_ROWS and INVERSE_ROWS lowered), the same bits as on one; and
+    # within 1e-6 of float64, as on one thread. 1100 rows: groups of 128 columns and a
+    # shorter last one (1120 padded)
     if narrow and compiled.linalg_kind() != "AVX-512":
         pytest.skip("the AVX2 code alone runs here: the default already is it")
     monkeypatch.setattr(compiled, "INVERSE_ROWS", 0)
+    monkeypatch.setattr(compiled, "CHOLESKY_ROWS", 0)
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (2 * n)
     diag = H.diagonal() * 1.01
@@ -54,11 +57,17 @@ def test_threads_sharing_the_inverse_give_the_bits_of_one(n, narrow, monkeypatch
     assert float((one.double() - expected).abs().max() / expected.abs().max()) < 1e-6
 
 
-def test_compiled_factorisation_says_what_failed():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_compiled_factorisation_says_what_failed(threads, monkeypatch):
+    # on threads sharing the Cholesky too: every one of them returns (none waits forever)
+    monkeypatch.setattr(compiled, "CHOLESKY_ROWS", 0)
     n = 70
     H = torch.eye(n)
     H[40, 41] = H[41, 40] = 2.0  # indefinite in rows 40-41: the pivot of row 41 is 1 - 4 < 0
-    assert compiled.inverse_cholesky(H, H.diagonal().clone()) is None
+    assert compiled.inverse_cholesky(H, H.diagonal().clone(), threads=threads) is None
+    late = torch.eye(300)
+    late[290, 291] = late[291, 290] = 2.0  # in the third group of 128 columns
+    assert compiled.inverse_cholesky(late, late.diagonal().clone(), threads=threads) is None
     nan = torch.eye(n)
     nan[50, 3] = float("nan")
     assert compiled.inverse_cholesky(nan, nan.diagonal().clone()) is None
@@ -112,7 +121,7 @@ def test_gemm_subtract_slices_give_the_bits_of_the_whole(transposed):
 
 
 @pytest.mark.skipif(compiled.linalg_kind() != "AVX-512", reason="compares the AVX-512 code with the AVX2 one")
-@pytest.mark.parametrize("n", [1, 31, 33, 100, 300, 768])
+@pytest.mark.parametrize("n", [1, 31, 33, 100, 300, 768, 1100])
 def test_the_avx2_code_gives_the_bits_of_the_avx512_code(n):
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (2 * n)
