@@ -57,6 +57,27 @@ def test_threads_sharing_the_inverse_give_the_bits_of_one(n, narrow, monkeypatch
     assert float((one.double() - expected).abs().max() / expected.abs().max()) < 1e-6
 
 
+@pytest.mark.skipif(compiled.linalg_kind() != "AVX-512", reason="the shared Cholesky is AVX-512 code")
+def test_a_thread_that_comes_late_to_the_shared_cholesky_changes_nothing():
+    # whichever threads come do the work; one that arrives after it is all done finds every
+    # piece taken and returns at once with the same status, A untouched (none waits forever)
+    n = 300
+    x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(5))
+    H = x.t() @ x / (2 * n)
+    diag = H.diagonal() * 1.01
+    lib = compiled.library()[0]
+    padded = -(-n // 32) * 32
+    A, single = torch.empty(padded, padded), torch.empty(padded, padded)
+    P, state = torch.empty(128 * (padded + 16)), torch.zeros(8 * (padded // 32), dtype=torch.int64)
+    assert lib.ptq_cholesky_copy(H.data_ptr(), n, n, diag.data_ptr(), A.data_ptr()) == 0
+    assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
+    done = A.clone()
+    assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
+    assert torch.equal(A, done)
+    assert lib.ptq_cholesky_padded(H.data_ptr(), n, n, diag.data_ptr(), single.data_ptr(), 0) == 0
+    assert torch.equal(A.tril(), single.tril())  # the one-thread call's factor
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_compiled_factorisation_says_what_failed(threads, monkeypatch):
     # on threads sharing the Cholesky too: every one of them returns (none waits forever)
