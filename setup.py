@@ -1,7 +1,8 @@
 """ptq's compiled loops (ptq/algorithms/gptq_loop.c: GPTQ's column loop; awq_grid.c: AWQ's
 candidate grid; ptq/packing.c: int32 packing; ptq/calibration/gram_amx.c: Hessians with
-AMX or AVX512-BF16; ptq/algorithms/transpose.c: transposed copies; ptq/cpu_attention.c and
-ptq/cpu_norm.c: the calibration passes' causal attention and RMSNorms; ptq/cpu_mlp.c: their SiLU-gated
+AMX or AVX512-BF16; ptq/algorithms/transpose.c: transposed copies; ptq/cpu_attention.c,
+cpu_attention_f32.c and ptq/cpu_norm.c: the calibration passes' causal attention (bf16,
+float32) and RMSNorms; ptq/cpu_mlp.c: their SiLU-gated
 products; ptq/calibration/channel_stats.c:
 their per-channel sums and maxima of |x|), built when a C compiler is there;
 without one ptq installs all the same and runs the torch references (the report says so).
@@ -24,9 +25,10 @@ setup(
             "ptq.algorithms._compiled",
             sources=["ptq/algorithms/gptq_loop.c", "ptq/algorithms/awq_grid.c", "ptq/packing.c",
                      "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
-                     "ptq/algorithms/linalg.c", "ptq/cpu_norm.c", "ptq/cpu_mlp.c",
+                     "ptq/cpu_attention_f32.c",
+                     "ptq/algorithms/linalg.c", "ptq/algorithms/linalg_avx2.c", "ptq/cpu_norm.c", "ptq/cpu_mlp.c",
                      "ptq/calibration/channel_stats.c"],
-            depends=["ptq/algorithms/quant_math.h"],
+            depends=["ptq/algorithms/quant_math.h", "ptq/algorithms/linalg.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)
             extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11"],

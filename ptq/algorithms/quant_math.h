@@ -106,6 +106,19 @@ __attribute__((target("amx-tile"))) static inline void configure_tiles(void) { _
 #define HAS_AVX512 0
 #endif
 
+/* Cephes' expf constants, shared by the attention's exp_v (16 lanes,
+   ptq/cpu_attention.c) and exp8 (8 lanes, ptq/cpu_attention_f32.c) */
+#define EXP_LOWEST -87.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 /* the smallest normal value of the scale dtype (torch.finfo(dtype).tiny) */
 static inline float tiny_of(int kind) { return kind == SCALE_F16 ? 6.103515625e-05f : 1.17549435e-38f; }
 
