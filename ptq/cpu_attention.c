@@ -34,8 +34,6 @@
 
 enum { ROWS = 8 };
 
-
-
 /* e^x in float32 for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
    polynomial in r, times 2^n); x below -87 gives about 2^-126 (a negligible weight) */
 __attribute__((target("avx512f"))) static inline __m512 exp_v(__m512 x) {
@@ -59,9 +57,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i to_bf
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(x)), 16));
 }
 
-/* scores [ROWS][ld] = (Q rows · keys [j, j + 16 C)) · scale, from Kp (pairs of dimensions) */
+/* scores [ROWS][ld] = Q rows · keys [j, j + 16 C), from Kp (pairs of dimensions); unscaled, as the
+   AMX tiles leave them (softmax_row scales) */
 __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
-scores_block(const uint32_t *const q[ROWS], const uint16_t *Kp, int64_t S16, int64_t D, int64_t j, int C, float scale,
+scores_block(const uint32_t *const q[ROWS], const uint16_t *Kp, int64_t S16, int64_t D, int64_t j, int C,
              float *scores, int64_t ld) {
     __m512 acc[ROWS][3];
     for (int r = 0; r < ROWS; r++)
@@ -77,10 +76,9 @@ scores_block(const uint32_t *const q[ROWS], const uint16_t *Kp, int64_t S16, int
                 acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, k[c]);
         }
     }
-    const __m512 s = _mm512_set1_ps(scale);
     for (int r = 0; r < ROWS; r++)
         for (int c = 0; c < C; c++)
-            _mm512_storeu_ps(scores + r * ld + j + 16 * c, _mm512_mul_ps(acc[r][c], s));
+            _mm512_storeu_ps(scores + r * ld + j + 16 * c, acc[r][c]);
 }
 
 /* out rows [ROWS] of dimensions [dc, dc + 32) = Σ_j P[r][j] v[j] / sums[r], j < 2 pairs */
@@ -162,14 +160,14 @@ head(const uint16_t *Q, int64_t qs, uint16_t *O, int64_t os, const uint16_t *Kp,
         const int64_t keys = i0 + rows, cols = (keys + 15) / 16 * 16, pairs = (keys + 1) / 2;
         int64_t j = 0;
         for (; j + 48 <= cols; j += 48)
-            scores_block(q, Kp, S16, D, j, 3, scale, scores, S16);
+            scores_block(q, Kp, S16, D, j, 3, scores, S16);
         if (j + 32 <= cols)
-            scores_block(q, Kp, S16, D, j, 2, scale, scores, S16);
+            scores_block(q, Kp, S16, D, j, 2, scores, S16);
         else if (j < cols)
-            scores_block(q, Kp, S16, D, j, 1, scale, scores, S16);
+            scores_block(q, Kp, S16, D, j, 1, scores, S16);
         float sums[ROWS];
         for (int r = 0; r < ROWS; r++)
-            sums[r] = softmax_row(scores + r * S16, 1.0f, r < rows ? i0 + r + 1 : 0, 2 * pairs, P + r * ldp);
+            sums[r] = softmax_row(scores + r * S16, scale, r < rows ? i0 + r + 1 : 0, 2 * pairs, P + r * ldp);
         for (int64_t dc = 0; dc < D; dc += 32)
             values_block(P, ldp, Vp, D, pairs, dc, sums, out, rows);
     }
@@ -282,8 +280,6 @@ head_amx(const uint16_t *Q, int64_t qs, uint16_t *O, int64_t os, const uint16_t 
     }
 }
 
-__attribute__((target("amx-tile"))) static void release_tiles(void) { _tile_release(); }
-
 /* O[b, h] = causal attention of Q[b, h] on K[b, h / group], V[b, h / group] for the samples
    [b0, b1) and every head; tensors bf16 with unit stride along D and the given strides
    (elements) for sample, head and position; D a multiple of 32. amx: on AMX tiles (the
@@ -298,9 +294,9 @@ attention_bf16(const uint16_t *Q, const uint16_t *K, const uint16_t *V, uint16_t
     const int64_t S16 = (S + 15) / 16 * 16, S32 = (S + KEY_TILE - 1) / KEY_TILE * KEY_TILE, group = H / KVH;
     const int64_t ldp = amx ? S32 : S16 + 16, rows = amx ? AMX_ROWS : ROWS;
     uint16_t *Kp = calloc((size_t)(D / 2 * S16 * 2), 2), *Vp = calloc((size_t)(S32 * D), 2);
-    uint16_t *P = calloc((size_t)(rows * ldp), 2), *Qb = calloc((size_t)(AMX_ROWS * D), 2);
-    float *scores = calloc((size_t)(rows * S16), 4), *acc = calloc((size_t)(AMX_ROWS * D), 4);
-    if (!Kp || !Vp || !P || !Qb || !scores || !acc) {
+    uint16_t *P = calloc((size_t)(rows * ldp), 2), *Qb = amx ? calloc((size_t)(AMX_ROWS * D), 2) : NULL;
+    float *scores = calloc((size_t)(rows * S16), 4), *acc = amx ? calloc((size_t)(AMX_ROWS * D), 4) : NULL;
+    if (!Kp || !Vp || !P || !scores || (amx && (!Qb || !acc))) {
         free(Kp), free(Vp), free(P), free(Qb), free(scores), free(acc);
         return -1;
     }

@@ -9,7 +9,7 @@ outputs, in the same float32 steps, and sums in the order of the ATen kernel tha
 here: the same bits as torch's. Which order that is (vectors of 16 floats or of 8: torch
 2.13 sums with its AVX2 kernel on an AVX-512 CPU too) lanes() finds once, on a probe. The
 calibration passes compute two norms per block and batch (each once: Memo in
-ptq.calibration.sequential). On a 2-core AMD EPYC (Zen 5), 2048 tokens on one thread:
+ptq.calibration.memo). On a 2-core AMD EPYC (Zen 5), 2048 tokens on one thread:
 SmolLM2's 576 features 0.36 against 0.55-0.59 ms, 1536 0.78 against 2.4 ms; the
 SmolLM2-shaped GPTQ job (W4 g64, 32 x 256 tokens) 6.90 against 7.23 s, medians of nine
 runs alternating with torch's norm, the same checkpoint.

@@ -35,7 +35,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 12  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 13  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -104,6 +104,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_cholesky_copy.argtypes = [_P, _I, _I, _P, _P]
     lib.ptq_cholesky_shared.restype = ctypes.c_int
     lib.ptq_cholesky_shared.argtypes = [_P, _I, _P, _P]
+    lib.ptq_cholesky_scratch.restype = None
+    lib.ptq_cholesky_scratch.argtypes = [_I, _P]
     lib.ptq_inverse_tiles.restype = None
     lib.ptq_inverse_tiles.argtypes = [_P, _I, _P, _P, _C]
     lib.ptq_inverse_copy.restype = ctypes.c_int
@@ -310,6 +312,14 @@ def gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     assert status == 0, "the compiled GEMM needs AVX-512"
 
 
+def cholesky_scratch(padded: int) -> tuple[Tensor, Tensor]:
+    """The buffers that the threads sharing a Cholesky of `padded` rows pass to
+    ptq_cholesky_shared: P (float32) and its state (int64 zeros), of the sizes linalg.c asks."""
+    sizes = torch.empty(2, dtype=torch.int64)
+    library()[0].ptq_cholesky_scratch(padded, sizes.data_ptr())
+    return torch.empty(int(sizes[0])), torch.zeros(int(sizes[1]), dtype=torch.int64)
+
+
 def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1) -> Tensor | None:
     """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
     CPU, its lower triangle read) with its diagonal replaced by diag [n] (linalg.c;
@@ -329,7 +339,7 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     A = torch.empty(padded, padded, dtype=torch.float32)
     if threads > 1 and padded >= CHOLESKY_ROWS and not narrow and linalg_kind() == "AVX-512":
         status = lib.ptq_cholesky_copy(H.data_ptr(), n, H.stride(0), diag.data_ptr(), A.data_ptr())
-        P, state = torch.empty(128 * (padded + 16)), torch.zeros(8 * (padded // 32), dtype=torch.int64)
+        P, state = cholesky_scratch(padded)
         shared = functools.partial(lib.ptq_cholesky_shared, A.data_ptr(), padded, P.data_ptr(), state.data_ptr())
         status = status or max(cpu_parallel([shared] * threads, threads))
     else:

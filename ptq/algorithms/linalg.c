@@ -36,6 +36,13 @@
 
 #include <sched.h>
 
+/* per block column of 32: taken, diagonal block (1 done, -1 not positive definite), then
+   (next, done) for its panel's rows, the updates inside its group, the updates right of it */
+enum { STEP_WORDS = 8, PANEL_ROWS = 64, GROUP = 4 * BLOCK };
+
+/* the row stride of the Cholesky's P (GROUP rows): np floats and a cache line (see cholesky) */
+static inline int64_t panel_stride(int64_t np) { return np + 16; }
+
 #if HAS_AVX512 /* (quant_math.h) */
 
 /* C[rows (at most 8), 32 columns, those beyond the masks' lanes untouched] (row stride ldc)
@@ -168,10 +175,6 @@ static inline int64_t wait_for(const int64_t *flag, int64_t until_at_least) {
         wait_for(&(next)[1], units);                                                          \
     } while (0)
 
-/* per block column of 32: taken, diagonal block (1 done, -1 not positive definite), then
-   (next, done) for its panel's rows, the updates inside its group, the updates right of it */
-enum { STEP_WORDS = 8, PANEL_ROWS = 64, GROUP = 4 * BLOCK };
-
 /* A [np, np] (row-major, np a multiple of 32) to L in its lower triangle, right-looking a
    block column of 32 at a time; the strict upper triangle is left holding scratch. The
    columns right of each group of GROUP columns take the group's products in one pass (at
@@ -190,7 +193,7 @@ enum { STEP_WORDS = 8, PANEL_ROWS = 64, GROUP = 4 * BLOCK };
    operations whichever thread computes it: the bits do not depend on how many call. 0
    when A is not positive definite. */
 AVX512 static int cholesky(float *A, int64_t np, float *P, int64_t *state) {
-    const int64_t lp = np + 16;
+    const int64_t lp = panel_stride(np);
     for (int64_t g0 = 0; g0 < np; g0 += GROUP) {
         const int64_t g1 = g0 + GROUP < np ? g0 + GROUP : np;
         for (int64_t k0 = g0; k0 < g1; k0 += BLOCK) {
@@ -290,8 +293,8 @@ int ptq_gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t
 
    ptq_cholesky_copy and ptq_cholesky_shared: the same factor (AVX-512 only; the same bits)
    with its work shared by threads: the copy into A on one thread, then every thread calls
-   ptq_cholesky_shared(A, np, P, state) with the same P (128 x (np + 16) floats) and state
-   (8 x np / 32 int64, zeros). Returns as ptq_cholesky_padded, in every thread.
+   ptq_cholesky_shared(A, np, P, state) with the same P (floats) and state (int64, zeros),
+   of the sizes ptq_cholesky_scratch gives. Returns as ptq_cholesky_padded, in every thread.
 
    ptq_inverse_tiles: columns of X [np, np] = L⁻¹, a tile (32 columns; 8 with the AVX2 code)
    at a time, the next tile's number taken from *next until none is left: callers on
@@ -299,6 +302,11 @@ int ptq_gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t
 
    ptq_inverse_copy: L⁻¹ from X into out [n, n] (contiguous): lower triangular, zeros above
    the diagonal. Returns 0, or 2 when L⁻¹ has an entry that is not finite. */
+void ptq_cholesky_scratch(int64_t np, int64_t *sizes) {
+    sizes[0] = GROUP * panel_stride(np);  /* P */
+    sizes[1] = STEP_WORDS * (np / BLOCK); /* state */
+}
+
 #if HAS_AVX512
 /* H's lower triangle with its diagonal replaced by diag, padded with the identity, into A */
 static void padded_copy(const float *H, int64_t n, int64_t ld, const float *diag, float *A, int64_t np) {
@@ -317,8 +325,10 @@ int ptq_cholesky_padded(const float *H, int64_t n, int64_t ld, const float *diag
     if (!wide && !ptq_avx2_fma_())
         return 4;
     const int64_t np = (n + BLOCK - 1) / BLOCK * BLOCK;
-    float *P = malloc((size_t)(GROUP * (np + 16)) * sizeof(float));
-    int64_t *state = calloc((size_t)(STEP_WORDS * (np / BLOCK)), sizeof(int64_t));
+    int64_t sizes[2];
+    ptq_cholesky_scratch(np, sizes);
+    float *P = malloc((size_t)sizes[0] * sizeof(float));
+    int64_t *state = calloc((size_t)sizes[1], sizeof(int64_t));
     if (!P || !state) {
         free(P), free(state);
         return 3;

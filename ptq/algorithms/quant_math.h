@@ -11,7 +11,7 @@
 
 /* ptq_compiled_abi's answer: raised whenever an exported function's arguments change, so that
    a library built before (an editable install not rebuilt) is refused instead of called wrongly */
-enum { PTQ_COMPILED_ABI = 12 };
+enum { PTQ_COMPILED_ABI = 13 };
 
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 }; /* also the dtypes of weights and outputs */
 
@@ -101,6 +101,8 @@ static const TileConfig TILES_16x64 = {.palette = 1,
 
 /* this thread's tiles as TILES_16x64 (the process must have asked for AMX: ptq_amx_available) */
 __attribute__((target("amx-tile"))) static inline void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
+/* and back to no tiles (the state freed) */
+__attribute__((target("amx-tile"))) static inline void release_tiles(void) { _tile_release(); }
 #endif
 #else
 #define HAS_AVX512 0

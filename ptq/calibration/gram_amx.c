@@ -200,7 +200,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *X
                     _tile_stored(3, c + 16 * ld + 16, row_bytes);
                 }
             }
-    _tile_release();
+    release_tiles();
 }
 
 /* G [n, n] (float32, row stride ld) -> GV for ptq_gram_quadratic: its 32 x 32 blocks on and
@@ -296,7 +296,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
                 total += lanes[l];
         }
     }
-    _tile_release();
+    release_tiles();
     return total;
 }
 

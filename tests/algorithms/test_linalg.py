@@ -68,7 +68,7 @@ def test_a_thread_that_comes_late_to_the_shared_cholesky_changes_nothing():
     lib = compiled.library()[0]
     padded = -(-n // 32) * 32
     A, single = torch.empty(padded, padded), torch.empty(padded, padded)
-    P, state = torch.empty(128 * (padded + 16)), torch.zeros(8 * (padded // 32), dtype=torch.int64)
+    P, state = compiled.cholesky_scratch(padded)
     assert lib.ptq_cholesky_copy(H.data_ptr(), n, n, diag.data_ptr(), A.data_ptr()) == 0
     assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
     done = A.clone()
