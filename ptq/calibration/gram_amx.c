@@ -274,11 +274,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) double ptq_gram_quadratic(c
                 const uint16_t *g = GV + jb * blocks * 2 * TILE;
                 for (int64_t kb = 0; kb <= jb; kb++) {
                     _tile_loadd(4, d0 + kb * 32, row_bytes);
-                    _tile_loadd(5, d1 + kb * 32, row_bytes);
                     _tile_loadd(6, g + kb * 2 * TILE, 64);
                     _tile_loadd(7, g + kb * 2 * TILE + TILE, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(5, d1 + kb * 32, row_bytes); /* loaded while the first two run */
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
