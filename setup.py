@@ -27,7 +27,7 @@ setup(
                      "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
                      "ptq/cpu_attention_f32.c",
                      "ptq/algorithms/linalg.c", "ptq/algorithms/linalg_avx2.c", "ptq/cpu_norm.c", "ptq/cpu_mlp.c",
-                     "ptq/calibration/channel_stats.c"],
+                     "ptq/calibration/channel_stats.c", "ptq/algorithms/smooth_weights.c"],
             depends=["ptq/algorithms/quant_math.h", "ptq/algorithms/linalg.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)

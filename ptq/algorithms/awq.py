@@ -70,6 +70,12 @@ class AWQResult:
 
 def weight_mean(weights: Sequence[Tensor], args: QuantArgs) -> Tensor:
     """w̄ [in]: mean over all rows of the balance weights of |W| / max|W| per quantization group."""
+    if args.strategy in ("group", "channel"):  # bf16 on a CPU: |W| / max|W| in one pass, the same bits
+        cols = weights[0].shape[-1]
+        size = cols // num_groups(cols, args) if args.strategy == "group" else cols
+        normalized = compiled.abs_over_max([w.detach() for w in weights], size)  # [out_total, in]
+        if normalized is not None:
+            return normalized.mean(dim=0)  # [in]
     W = torch.cat([w.detach() for w in weights]).float().abs_()  # [out_total, in]: a copy, then in place
     rows, cols = W.shape
     if args.strategy == "group":

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ptq.algorithms import compiled
+
 MIN_SCALE = 1e-5
 
 
@@ -86,12 +88,15 @@ def apply_smoothing_(
 
 def _scale_(param: Tensor, factor: Tensor, offset: float = 0.0) -> None:
     """param ← (param + offset) · factor − offset, in float32, rounded once to param's dtype."""
-    value = param.float()
-    if offset:
-        value = (value + offset) * factor.to(param.device) - offset
-    else:
-        value = value * factor.to(param.device)
-    replace_(param, value.to(param.dtype))
+    scaled = None if offset else compiled.scale_bf16(param, factor)  # bf16 on a CPU: one pass, the same bits
+    if scaled is None:
+        value = param.float()
+        if offset:
+            value = (value + offset) * factor.to(param.device) - offset
+        else:
+            value = value * factor.to(param.device)
+        scaled = value.to(param.dtype)
+    replace_(param, scaled)
 
 
 def replace_(param: Tensor, value: Tensor) -> None:
