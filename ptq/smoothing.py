@@ -172,6 +172,6 @@ class _InspectedInputs:
             local = make_module_loss(m.inspect, m.balance, self.calls.pop(i), args=args, scale_dtype=scale_dtype)
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
-        gram = observer.value.mul_(observer.tokens / 2)  # [in, in]: Σ x xᵀ, in H's memory (read once)
+        gram = observer.gram()  # [in, in]: Σ x xᵀ, the running sum itself (read once)
         return make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
                                 scale_dtype=scale_dtype)

@@ -73,6 +73,7 @@ class HessianObserver(Observer):
         self.sum: Tensor | None = None
         self.tokens = 0
         self._value: Tensor | None = None
+        self._read = False  # the sum was read (gram): no more batches
         self._pending: Tensor | None = None  # [cap, in] float32 (bf16 for AMX): inputs not yet in the sum (CPU)
         self._filled = 0
         self._bf16_values = False  # the pending inputs are bf16 values: float32_gemms("bf16")
@@ -111,7 +112,7 @@ class HessianObserver(Observer):
         return sum((b - a) * (n - a) for a, b in zip(edges, edges[1:]))
 
     def update(self, x: Tensor) -> None:
-        if self._value is not None:
+        if self._read:
             raise RuntimeError("this Hessian was read already; use a new observer for more batches")
         flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
         self.tokens += flat.shape[0]
@@ -198,16 +199,24 @@ class HessianObserver(Observer):
         """H, made from the running sum in place the first time it is read (no second
         [in, in] matrix: they are large); the observer takes no batches after that."""
         if self._value is None:
-            if self._pending is not None:
-                self._flush()
-                self._pending = self._tiles = None
-            assert self.sum is not None, "no calibration batch reached this Linear"
-            self.tokens = all_reduce_count(self.tokens)  # now of every process: their sums add up
-            # the lower triangle from the upper one: whatever rows of blocks summed the upper
-            # triangle (row_blocks), they summed all of it
-            H = mirror_triangle_(all_reduce_(self.sum).mul_(2.0 / self.tokens))
-            self._value, self.sum = H, None
+            self._value = self.gram().mul_(2.0 / self.tokens)
         return self._value
+
+    def gram(self) -> Tensor:
+        """Σ x xᵀ over every process's tokens (self.tokens, counted again), float32 [in, in]:
+        the running sum itself, in place, its lower triangle mirrored from the upper one
+        (whatever rows of blocks summed the upper triangle, row_blocks, they summed all of
+        it); the observer takes no batches after that, and gives it once. value is 2/N
+        times it."""
+        if self._read:
+            raise RuntimeError("this Hessian's sum was read already")
+        if self._pending is not None:
+            self._flush()
+            self._pending = self._tiles = None
+        assert self.sum is not None, "no calibration batch reached this Linear"
+        self.tokens = all_reduce_count(self.tokens)  # now of every process: their sums add up
+        G, self.sum, self._read = mirror_triangle_(all_reduce_(self.sum)), None, True
+        return G
 
 
 @functools.cache
