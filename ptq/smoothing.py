@@ -9,15 +9,17 @@ rescaling (the others leave its input unchanged in full precision), so one pass 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ptq import moe
 from ptq.algorithms.awq import (
+    AWQResult,
     LossSums,
     apply_awq_,
     apply_clip_,
@@ -30,6 +32,7 @@ from ptq.algorithms.smoothquant import apply_smoothing_, smoothquant_scales
 from ptq.arch import ResolvedMapping, block_mappings
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, MeanAbsObserver
 from ptq.calibration.runner import BlockRun
+from ptq.devices import cpu_budget, cpu_parallel
 from ptq.distributed import all_reduce_, is_main, share_from
 from ptq.recipe import AWQStep, SmoothQuantStep, TransformStep
 from ptq.schemes import QuantArgs
@@ -111,11 +114,23 @@ def _awq_(
     observers = run.collect(_first_inputs(mappings), MeanAbsObserver, stop_at=stop_at, hooks=inspected.hooks)
     seconds = time.perf_counter() - start
     done = {}
-    for i, m in ((i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers):
-        losses = inspected.loss(i, args, scale_dtype)
-        x_mean = observers[m.mapping.balance[0]].value
-        result = awq_search(x_mean, [b.weight for b in m.balance], losses, args=args, n_grid=step.n_grid,
-                            duo_scaling=step.duo_scaling)
+    found = [(i, m) for i, m in enumerate(mappings) if m.mapping.balance[0] in observers]
+
+    def inputs(i: int, m: ResolvedMapping) -> tuple[Tensor, LossSums]:  # every process's sums: in turn
+        return observers[m.mapping.balance[0]].value, inspected.loss(i, args, scale_dtype)
+
+    def search(m: ResolvedMapping, x_mean: Tensor, losses: LossSums) -> AWQResult:
+        return awq_search(x_mean, [b.weight for b in m.balance], losses, args=args, n_grid=step.n_grid,
+                          duo_scaling=step.duo_scaling)
+
+    results = None
+    if step.loss == "linear" and _searches_independent([m for _, m in found]):
+        # the statistics read in turn, then the searches side by side: one mapping's last
+        # candidates no longer leave the other threads idle
+        searches = [functools.partial(search, m, *inputs(i, m)) for i, m in found]
+        results = cpu_parallel(searches, cpu_budget())
+    for k, (i, m) in enumerate(found):
+        result = results[k] if results is not None else search(m, *inputs(i, m))
         apply_awq_(m.smooth, m.balance, result.scales, rows=m.rows, weight_offset=m.weight_offset)
         ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0
@@ -124,6 +139,20 @@ def _awq_(
         if step.clip:
             _clip_(run, m, args, scale_dtype)
     return done, seconds
+
+
+def _searches_independent(mappings: list[ResolvedMapping]) -> bool:
+    """Whether the mappings' linear-loss searches may all run before any of their scales is
+    applied: each reads only its balance weights (and statistics of the pass before), so
+    where no mapping balances a Linear that an earlier one smooths or balances, each finds
+    what it would one by one, applied in turn."""
+    touched: set[int] = set()
+    for m in mappings:
+        if any(id(linear) in touched for linear in m.balance):
+            return False
+        touched.update(id(linear) for linear in m.balance)
+        touched.add(id(m.smooth))
+    return True
 
 
 def _clip_(run: BlockRun, m: ResolvedMapping, args: QuantArgs, scale_dtype: torch.dtype) -> None:
@@ -156,7 +185,7 @@ class _InspectedInputs:
         self.hooks: list[tuple[nn.Module, Callable[[tuple, dict], None]]] = []  # for BlockRun.collect
         for i, m in enumerate(mappings):
             if per_linear or (len(m.balance) == 1 and m.inspect is m.balance[0]):
-                self.grams[i] = HessianObserver()  # 2/N·Σ x xᵀ, float32 to float32 accuracy
+                self.grams[i] = HessianObserver()  # Σ x xᵀ (its gram), float32 to float32 accuracy
                 # the balance Linears read one input
                 self.hooks.append((m.balance[0], lambda a, kw, o=self.grams[i]: o.update(a[0])))
             else:
@@ -166,12 +195,20 @@ class _InspectedInputs:
     def loss(self, i: int, args: QuantArgs, scale_dtype: torch.dtype) -> LossSums:
         """The mapping's loss sums over the samples of every process (ptq.distributed): the
         module losses of each process's own samples are summed; the Gram matrix is already
-        every process's (HessianObserver.value combines them, and counts their tokens)."""
+        every process's (HessianObserver.gram combines them, and counts their tokens), read
+        here, in the order every process keeps; its loss is made on the first call."""
         m = self.mappings[i]
         if i in self.calls:
             local = make_module_loss(m.inspect, m.balance, self.calls.pop(i), args=args, scale_dtype=scale_dtype)
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
-        gram = observer.gram()  # [in, in]: Σ x xᵀ, the running sum itself (read once)
-        return make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
-                                scale_dtype=scale_dtype)
+        gram = observer.gram()  # [in, in]: Σ x xᵀ, the running sum itself (read once, now: every process's)
+        made: list[LossSums] = []
+
+        def loss(scales: Tensor) -> Tensor:  # made on its first call (a search's thread: side by side)
+            if not made:
+                made.append(make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
+                                             scale_dtype=scale_dtype))
+            return made[0](scales)
+
+        return loss

@@ -67,3 +67,28 @@ def test_no_stop_where_the_order_is_unknown_or_misses_an_observed_linear():
     assert smoothing._stop_at(mappings, None) is None
     assert smoothing._stop_at(mappings, order[:-1]) is None  # down_proj observed, its place unknown
     assert smoothing._stop_at(mappings[:2], order) is mlp.gate_proj  # q/k/v and gate/up observed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "opt"])
+def test_searching_a_blocks_mappings_side_by_side_changes_no_bit(family, monkeypatch):
+    """AWQ's linear-loss searches of a block all run before its scales are applied, side by
+    side: each reads only its own balance weights, as it would one mapping at a time."""
+    model = tiny(family).to(torch.bfloat16)
+    side_by_side, _ = _quantize(copy.deepcopy(model), "awq linear")
+    monkeypatch.setattr(smoothing, "_searches_independent", lambda mappings: False)
+    one_by_one, _ = _quantize(model, "awq linear")
+    for name, tensor in one_by_one.items():
+        assert torch.equal(side_by_side[name], tensor), name
+
+
+def test_searches_wait_where_a_mapping_balances_what_an_earlier_one_touched():
+    model = tiny("llama")
+    block = find_blocks(model)[1][0]
+    mappings = block_mappings(model, block)[0]
+    assert smoothing._searches_independent(mappings)  # in the architecture's order
+    up_to_down = next(m for m in mappings if m.balance[0] is block.mlp.down_proj)
+    gate_up = next(m for m in mappings if any(b is block.mlp.up_proj for b in m.balance))
+    # up_proj smoothed by the first, balanced by the second: the second waits for it
+    assert not smoothing._searches_independent([up_to_down, gate_up])
+    assert smoothing._searches_independent([gate_up, up_to_down])
+    assert not smoothing._searches_independent([gate_up, gate_up])  # the same balance Linears twice

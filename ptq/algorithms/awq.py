@@ -227,33 +227,36 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
     TASK_ELEMENTS weights to a task; on a CPU each task's GEMMs run on one thread
     (cpu_parallel), so the bits do not depend on the thread count.
     """
-    W = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [out, in]
-    out_features, in_features = W.shape
-    on_accelerator = W.device.type != "cpu"  # float16 G would overflow: float32 for float16 weights
-    gemm_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 and on_accelerator else torch.float32
-    W32 = W.float().contiguous()  # [out, in]
-    compiled_grid = compiled.awq_grid_for(W, args, scale_dtype)
-    if compiled_grid and W.dtype == torch.bfloat16 and compiled.gram_kernel() and W.shape[0] % 32 == 0 \
-            and W.shape[1] % 32 == 0:
+    parts = [w.detach() for w in weights]
+    W32 = torch.empty(sum(len(w) for w in parts), parts[0].shape[1], device=parts[0].device)  # [out, in]
+    for w, rows in zip(parts, W32.split([len(w) for w in parts])):
+        rows.copy_(w)  # widened in the copy: one pass, no stacked copy in the weights' dtype
+    (out_features, in_features), dtype, device = W32.shape, parts[0].dtype, W32.device
+    on_accelerator = device.type != "cpu"  # float16 G would overflow: float32 for float16 weights
+    gemm_dtype = torch.bfloat16 if dtype == torch.bfloat16 and on_accelerator else torch.float32
+    compiled_grid = compiled.awq_grid_for(parts[0], args, scale_dtype)
+    W = None if compiled_grid else W32.to(dtype)  # the stacked weights, for the torch grid
+    if compiled_grid and dtype == torch.bfloat16 and compiled.gram_kernel() and out_features % 32 == 0 \
+            and in_features % 32 == 0:
         form = compiled.QuadraticForm(gram)
     else:
         # bf16 weights: ΔW and G rounded to bf16 as for QuadraticForm, whatever the GEMMs' dtype
-        delta_dtype = torch.bfloat16 if W.dtype == torch.bfloat16 else torch.float32
-        G = gram.to(device=W.device, dtype=delta_dtype).to(gemm_dtype)  # [in, in]
+        delta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        G = gram.to(device=device, dtype=delta_dtype).to(gemm_dtype)  # [in, in]
         form, blocks = None, _upper_blocks(G, in_features if on_accelerator else GRAM_COLUMNS)
 
     def squared_errors(part: Tensor) -> list[float]:  # part [k, in]: k candidates
         if form is not None:
-            d = torch.empty(W.shape, dtype=torch.bfloat16)  # [out, in]: each candidate's in turn
-            return [form.of(compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)) for s in part]
+            d = torch.empty(W32.shape, dtype=torch.bfloat16)  # [out, in]: each candidate's in turn
+            return [form.of(compiled.awq_candidate(W32, s, args, scale_dtype, dtype, d, delta=True)) for s in part]
         if compiled_grid:
-            dW = torch.empty((len(part), *W.shape), dtype=delta_dtype)  # [k, out, in]
+            dW = torch.empty((len(part), *W32.shape), dtype=delta_dtype)  # [k, out, in]
             for s, d in zip(part, dW):
-                compiled.awq_candidate(W32, s, args, scale_dtype, W.dtype, d, delta=True)
+                compiled.awq_candidate(W32, s, args, scale_dtype, dtype, d, delta=True)
         else:
             dW = (candidate_weights(W, part, args, scale_dtype).float() - W32).to(delta_dtype)  # [k, out, in]
         dW = dW.to(gemm_dtype)
-        flat, sums = dW.view(-1, in_features), torch.zeros(len(part), dtype=torch.float64, device=W.device)
+        flat, sums = dW.view(-1, in_features), torch.zeros(len(part), dtype=torch.float64, device=device)
         for a, b, upper in blocks:  # Σ ΔW[:, a:b] ∘ (ΔW[:, :b] · upper)
             products = (flat[:, :b] @ upper).view(len(part), -1, b - a).float().mul_(dW[:, :, a:b].float())
             sums += products.flatten(1).sum(dim=1, dtype=torch.float64)
@@ -261,11 +264,11 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
 
     @torch.no_grad()
     def loss(scales: Tensor) -> Tensor:
-        s = scales.to(device=W.device, dtype=torch.float32).contiguous()
-        tasks = [functools.partial(squared_errors, part) for part in s.split(max(1, TASK_ELEMENTS // W.numel()))]
-        sums = cpu_parallel(tasks, cpu_budget()) if W.device.type == "cpu" else [t() for t in tasks]
+        s = scales.to(device=device, dtype=torch.float32).contiguous()
+        tasks = [functools.partial(squared_errors, part) for part in s.split(max(1, TASK_ELEMENTS // W32.numel()))]
+        sums = cpu_parallel(tasks, cpu_budget()) if device.type == "cpu" else [t() for t in tasks]
         sums = [value for part in sums for value in part]
-        return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=W.device).float()
+        return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=device).float()
 
     return loss
 
