@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ptq.algorithms import compiled
+from ptq.algorithms import compiled, smooth_compiled
 from ptq.algorithms.smoothquant import apply_smoothing_, replace_
 from ptq.devices import cpu_budget, cpu_parallel, map_side_by_side
 from ptq.errors import PtqError
@@ -73,7 +73,7 @@ def weight_mean(weights: Sequence[Tensor], args: QuantArgs) -> Tensor:
     if args.strategy in ("group", "channel"):  # bf16 on a CPU: |W| / max|W| in one pass, the same bits
         cols = weights[0].shape[-1]
         size = cols // num_groups(cols, args) if args.strategy == "group" else cols
-        normalized = compiled.abs_over_max([w.detach() for w in weights], size)  # [out_total, in]
+        normalized = smooth_compiled.abs_over_max([w.detach() for w in weights], size)  # [out_total, in]
         if normalized is not None:
             return normalized.mean(dim=0)  # [in]
     W = torch.cat([w.detach() for w in weights]).float().abs_()  # [out_total, in]: a copy, then in place

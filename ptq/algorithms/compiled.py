@@ -1,6 +1,6 @@
 """ptq's compiled loops, loaded with ctypes: GPTQ's column loop (gptq_loop.c, driven by
 gptq_compiled), AWQ's candidate grid (awq_grid.c, driven from here), the passes over bf16
-weights around it and SmoothQuant (smooth_weights.c: abs_over_max, scale_bf16), int32 packing
+weights around it and SmoothQuant (smooth_weights.c, driven by smooth_compiled), int32 packing
 (ptq/packing.c, driven from ptq.packing), and sums of bf16 products on AMX tiles
 (ptq/calibration/gram_amx.c: Hessians and AWQ's Gram loss; GramTiles, QuadraticForm) or,
 on a CPU with AVX512-BF16 and no AMX, with VDPBF16PS (the same two), the calibration
@@ -180,45 +180,6 @@ def awq_candidate(W32: Tensor, s: Tensor, args: QuantArgs, scale_dtype: torch.dt
     if status:
         raise MemoryError("AWQ's compiled grid ran out of memory for one row")
     return out
-
-
-def smooth_weights_for(W: Tensor) -> bool:
-    """Whether smooth_weights.c takes W (abs_over_max, scale_bf16): bf16 and contiguous on a
-    CPU with AVX-512, rows of a multiple of 16 columns, the library built."""
-    return (W.dtype == torch.bfloat16 and W.device.type == "cpu" and W.is_contiguous() and W.dim() == 2
-            and W.shape[1] % 16 == 0 and library()[0] is not None and linalg_kind() == "AVX-512")
-
-
-def abs_over_max(weights: list[Tensor], size: int) -> Tensor | None:
-    """|W| / (max |W| of each group of `size` columns of a row + 1e-6) in float32, the
-    weights' rows stacked [Σ rows, in]: awq.weight_mean's steps, the same bits, in one pass
-    (smooth_weights.c); None where it does not run (smooth_weights_for each, size a multiple
-    of 16)."""
-    cols = weights[0].shape[1]
-    if size % 16 or cols % size or not all(smooth_weights_for(w) and w.shape[1] == cols for w in weights):
-        return None
-    out = torch.empty(sum(w.shape[0] for w in weights), cols, dtype=torch.float32)
-    first = 0
-    for w in weights:  # on this thread: a second one adds nothing to a pass bound by memory
-        if library()[0].ptq_abs_over_max(w.data_ptr(), cols, size, 0, w.shape[0], out[first].data_ptr()):
-            return None
-        first += w.shape[0]
-    return out
-
-
-def scale_bf16(W: Tensor, factor: Tensor) -> Tensor | None:
-    """W · factor rounded to bf16 (factor float32 [1, in] per column or [out, 1] per row),
-    as torch multiplies a widened copy and rounds it, in one pass (smooth_weights.c): a new
-    tensor, or None where it does not run (smooth_weights_for)."""
-    if not smooth_weights_for(W) or factor.dtype != torch.float32 or factor.device.type != "cpu":
-        return None
-    rows, cols = W.shape
-    per_row = factor.shape == (rows, 1)
-    if factor.shape not in ((1, cols), (rows, 1)):
-        return None
-    factor, out = factor.contiguous(), torch.empty_like(W)  # on this thread, as abs_over_max
-    failed = library()[0].ptq_scale_bf16(W.data_ptr(), cols, factor.data_ptr(), int(per_row), 0, rows, out.data_ptr())
-    return None if failed else out
 
 
 def amx() -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ptq.algorithms import compiled
+from ptq.algorithms import smooth_compiled
 
 MIN_SCALE = 1e-5
 
@@ -88,7 +88,7 @@ def apply_smoothing_(
 
 def _scale_(param: Tensor, factor: Tensor, offset: float = 0.0) -> None:
     """param ← (param + offset) · factor − offset, in float32, rounded once to param's dtype."""
-    scaled = None if offset else compiled.scale_bf16(param, factor)  # bf16 on a CPU: one pass, the same bits
+    scaled = None if offset else smooth_compiled.scale_bf16(param, factor)  # bf16 on a CPU: one pass, the same bits
     if scaled is None:
         value = param.float()
         if offset:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptq.algorithms import compiled
+from ptq.algorithms import compiled, smooth_compiled
 from ptq.algorithms.awq import weight_mean
 from ptq.algorithms.smoothquant import _scale_
 from ptq.schemes import QuantArgs
@@ -31,7 +31,7 @@ def _bf16_weights(rows: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("size", [16, 64, 192])
 def test_abs_over_max_gives_the_torch_steps_bits(size):
     weights = [_bf16_weights(40, 192, 0), _bf16_weights(24, 192, 1)]
-    compiled_out = compiled.abs_over_max(weights, size)
+    compiled_out = smooth_compiled.abs_over_max(weights, size)
     W = torch.cat(weights).float().abs_()  # the torch steps of awq.weight_mean
     grouped = W.view(W.shape[0], -1, size)
     expected = grouped.div_(grouped.amax(dim=-1, keepdim=True) + 1e-6).view_as(W)
@@ -45,7 +45,7 @@ def test_weight_mean_is_unchanged_by_the_compiled_pass(monkeypatch):
     for args in (QuantArgs(num_bits=4, strategy="group", group_size=32), QuantArgs(num_bits=4, strategy="channel")):
         fast = weight_mean(weights, args)
         with monkeypatch.context() as m:
-            m.setattr(compiled, "abs_over_max", lambda *a: None)
+            m.setattr(smooth_compiled, "abs_over_max", lambda *a: None)
             assert torch.equal(fast, weight_mean(weights, args))
 
 
@@ -55,7 +55,7 @@ def test_scale_bf16_gives_the_torch_steps_bits(per_row):
     g = torch.Generator().manual_seed(3)
     factor = torch.rand(48, 1, generator=g) * 4 if per_row else torch.rand(1, 96, generator=g) * 4
     factor.view(-1)[:3] = torch.tensor([0.0, 1e-30, 3e38])  # 0 · inf is NaN; overflows to inf
-    out = compiled.scale_bf16(W, factor)
+    out = smooth_compiled.scale_bf16(W, factor)
     expected = (W.float() * factor).bfloat16()
     assert out is not None and out.dtype == torch.bfloat16
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))  # NaNs too: 0xFFFF as torch's
@@ -63,10 +63,10 @@ def test_scale_bf16_gives_the_torch_steps_bits(per_row):
 
 def test_scale_bf16_declines_what_it_does_not_take():
     W = torch.randn(8, 32).bfloat16()
-    assert compiled.scale_bf16(W.float(), torch.ones(1, 32)) is None  # float32 weights: torch's way
-    assert compiled.scale_bf16(W, torch.ones(1, 32, dtype=torch.float64)) is None
-    assert compiled.scale_bf16(W[:, :24].contiguous(), torch.ones(1, 24)) is None  # not a multiple of 16
-    assert compiled.scale_bf16(W.t(), torch.ones(1, 8)) is None  # not contiguous
+    assert smooth_compiled.scale_bf16(W.float(), torch.ones(1, 32)) is None  # float32 weights: torch's way
+    assert smooth_compiled.scale_bf16(W, torch.ones(1, 32, dtype=torch.float64)) is None
+    assert smooth_compiled.scale_bf16(W[:, :24].contiguous(), torch.ones(1, 24)) is None  # not a multiple of 16
+    assert smooth_compiled.scale_bf16(W.t(), torch.ones(1, 8)) is None  # not contiguous
 
 
 def test_folding_scales_into_a_parameter_keeps_the_torch_bits(monkeypatch):
@@ -75,6 +75,6 @@ def test_folding_scales_into_a_parameter_keeps_the_torch_bits(monkeypatch):
     fast, slow = torch.nn.Parameter(W.clone(), requires_grad=False), torch.nn.Parameter(W.clone(), requires_grad=False)
     _scale_(fast, factor)
     with monkeypatch.context() as m:
-        m.setattr(compiled, "scale_bf16", lambda *a: None)
+        m.setattr(smooth_compiled, "scale_bf16", lambda *a: None)
         _scale_(slow, factor)
     assert torch.equal(fast.view(torch.int16), slow.view(torch.int16))
