@@ -196,19 +196,18 @@ class _InspectedInputs:
         """The mapping's loss sums over the samples of every process (ptq.distributed): the
         module losses of each process's own samples are summed; the Gram matrix is already
         every process's (HessianObserver.gram combines them, and counts their tokens), read
-        here, in the order every process keeps; its loss is made on the first call."""
+        here, in the order every process keeps; the Gram loss (its float32 copy of the
+        weights, G's packing) is made within each call, so that a block's searches side by
+        side hold those only while they run (awq_search calls it once)."""
         m = self.mappings[i]
         if i in self.calls:
             local = make_module_loss(m.inspect, m.balance, self.calls.pop(i), args=args, scale_dtype=scale_dtype)
             return lambda scales: all_reduce_(local(scales))
         observer = self.grams.pop(i)
         gram = observer.gram()  # [in, in]: Σ x xᵀ, the running sum itself (read once, now: every process's)
-        made: list[LossSums] = []
 
-        def loss(scales: Tensor) -> Tensor:  # made on its first call (a search's thread: side by side)
-            if not made:
-                made.append(make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
-                                             scale_dtype=scale_dtype))
-            return made[0](scales)
+        def loss(scales: Tensor) -> Tensor:  # made in the call (a search's thread), its copies freed after it
+            return make_linear_loss([b.weight for b in m.balance], gram, observer.tokens, args=args,
+                                    scale_dtype=scale_dtype)(scales)
 
         return loss

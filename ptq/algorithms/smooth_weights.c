@@ -7,7 +7,8 @@
 
    Each takes the float32 steps of its torch reference, so gives its bits, in one pass over
    the weights where torch takes three or four (widen, abs, max, divide; widen, multiply,
-   round). Rows are independent: callers split them across threads. */
+   round). Rows are independent ([r0, r1)); ptq.algorithms.smooth_compiled calls each on one
+   thread, the passes being bound by memory. */
 
 #include "quant_math.h"
 
@@ -21,9 +22,9 @@ AVX512 static inline __m512 load_bf16(const uint16_t *p) {
 
 /* Rows [r0, r1) of W [rows, cols] (bf16) to |W| / (m + 1e-6) into out (float32, the same
    shape), m the largest |w| of each group of `size` consecutive columns of a row (size a
-   multiple of 16 dividing cols). The largest |w| is exact (NaN, if any, does not count in
-   it as in torch's amax; a NaN then stays NaN); the sum and the quotient are float32 ops
-   rounded once, as torch's. */
+   multiple of 16 dividing cols). The largest |w| is exact, and NaN where the group holds a
+   NaN (as torch's amax: the whole group's quotients are NaN then); the sum and the quotient
+   are float32 ops rounded once, as torch's. */
 AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t cols, int64_t size, int64_t r0, int64_t r1,
                                      float *out) {
     for (int64_t r = r0; r < r1; r++)

@@ -88,7 +88,7 @@ def apply_smoothing_(
 
 def _scale_(param: Tensor, factor: Tensor, offset: float = 0.0) -> None:
     """param ← (param + offset) · factor − offset, in float32, rounded once to param's dtype."""
-    scaled = None if offset else smooth_compiled.scale_bf16(param, factor)  # bf16 on a CPU: one pass, the same bits
+    scaled = None if offset else smooth_compiled.scale_bf16(param, factor)  # bf16 on a CPU: one pass, same bits
     if scaled is None:
         value = param.float()
         if offset:
