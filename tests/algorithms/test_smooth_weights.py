@@ -54,7 +54,7 @@ def test_scale_bf16_gives_the_torch_steps_bits(per_row):
     W = _bf16_weights(48, 96, 2)
     g = torch.Generator().manual_seed(3)
     factor = torch.rand(48, 1, generator=g) * 4 if per_row else torch.rand(1, 96, generator=g) * 4
-    factor.view(-1)[:3] = torch.tensor([0.0, 1e-30, 3e38])  # 0 · inf is NaN; overflows to inf
+    factor.view(-1)[:3] = torch.tensor([0.0, 1e-30, 3e38])  # zeros, subnormal products, overflows to inf
     out = smooth_compiled.scale_bf16(W, factor)
     expected = (W.float() * factor).bfloat16()
     assert out is not None and out.dtype == torch.bfloat16
