@@ -4,7 +4,8 @@ AMX or AVX512-BF16; ptq/algorithms/transpose.c: transposed copies; ptq/cpu_atten
 cpu_attention_f32.c and ptq/cpu_norm.c: the calibration passes' causal attention (bf16,
 float32) and RMSNorms; ptq/cpu_mlp.c: their SiLU-gated
 products; ptq/calibration/channel_stats.c:
-their per-channel sums and maxima of |x|), built when a C compiler is there;
+their per-channel sums and maxima of |x|; ptq/algorithms/smooth_weights.c: the passes over
+bf16 weights around AWQ's grid and SmoothQuant), built when a C compiler is there;
 without one ptq installs all the same and runs the torch references (the report says so).
 Everything else about the package is in pyproject.toml."""
 

@@ -51,24 +51,18 @@ HEAD_MULTIPLE = {torch.bfloat16: 32, torch.float32: 16}  # the kernels' head dim
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the compiled kernel for tensors of this dtype runs here: the library is
     built and the CPU has AVX512-BF16 (AMX CPUs have it too) for bf16, AVX2 and FMA for
-    float32."""
+    float32. Where it runs the calibration passes take it: it was measured faster than
+    torch's everywhere. On a CPU with AMX the bf16 kernel multiplies on the tiles, as torch's
+    own flash-attention kernel does (its brgemm); before it did (when the VDPBF16PS code was
+    all it had), torch's kernel was the faster there and kept. One thread of a 2-core Xeon
+    with AMX, ms per sample, compiled on the tiles / torch's (scripts/bench_cpu_attention.py)
+    / compiled with VDPBF16PS: 0.38-0.41 / 0.52-0.57 / 1.01 (9 heads of 64, 256 positions),
+    0.96-0.98 / 1.51-1.56 / 1.79 (8 of 32, 512), 79 / 101 / 369 (32 of 128, 2048). GPTQ on
+    the bundled model 0.56-0.61 -> 0.55-0.60 s, the random benchmark model 3.83 -> 3.75 s,
+    the SmolLM2-shaped one within its noise."""
     if dtype == torch.bfloat16:
         return compiled.avx512_bf16()
     return dtype == torch.float32 and compiled.attention_f32()
-
-
-def beats_torch(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the calibration passes take the compiled kernel for tensors of this dtype:
-    wherever it runs (available), measured faster than torch's everywhere. On a CPU with AMX
-    the bf16 kernel multiplies on the tiles, as torch's own flash-attention kernel does (its
-    brgemm); there, before it did (when the VDPBF16PS code below was all it had), torch's
-    kernel was the faster and kept. One thread of a 2-core Xeon with AMX, ms per sample,
-    compiled on the tiles / torch's (scripts/bench_cpu_attention.py) / compiled with
-    VDPBF16PS: 0.38-0.41 / 0.52-0.57 / 1.01 (9 heads of 64, 256 positions), 0.96-0.98 /
-    1.51-1.56 / 1.79 (8 of 32, 512), 79 / 101 / 369 (32 of 128, 2048). GPTQ on the bundled
-    model 0.56-0.61 -> 0.55-0.60 s, the random benchmark model 3.83 -> 3.75 s, the
-    SmolLM2-shaped one within its noise."""
-    return available(dtype)
 
 
 def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, tiles: bool | None = None) -> Tensor:
@@ -190,8 +184,8 @@ def _registered() -> bool:
 def _swapped_configs(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
     """The configs compiled_attention swaps: those of the model's modules that choose
     transformers' "sdpa" attention, where the passes run on a CPU in a dtype whose kernel
-    is here and beats torch's (beats_torch; the activations' dtype); none elsewhere."""
-    if torch.device(device).type != "cpu" or not beats_torch(dtype):
+    is here (available; the activations' dtype); none elsewhere."""
+    if torch.device(device).type != "cpu" or not available(dtype):
         return []
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_attn_implementation", None) == "sdpa"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,14 +123,15 @@ def _awq_(
         return awq_search(x_mean, [b.weight for b in m.balance], losses, args=args, n_grid=step.n_grid,
                           duo_scaling=step.duo_scaling)
 
-    results = None
-    if step.loss == "linear" and _searches_independent([m for _, m in found]):
-        # the statistics read in turn, then the searches side by side: one mapping's last
-        # candidates no longer leave the other threads idle
-        searches = [functools.partial(search, m, *inputs(i, m)) for i, m in found]
-        results = cpu_parallel(searches, cpu_budget())
-    for k, (i, m) in enumerate(found):
-        result = results[k] if results is not None else search(m, *inputs(i, m))
+    def results() -> Iterator[AWQResult]:  # in the mappings' order
+        if step.loss == "linear" and _searches_independent([m for _, m in found]):
+            # the statistics read in turn, then the searches side by side: one mapping's last
+            # candidates no longer leave the other threads idle
+            yield from cpu_parallel([functools.partial(search, m, *inputs(i, m)) for i, m in found], cpu_budget())
+        else:  # each after the mappings before it are applied (a module loss runs the module)
+            yield from (search(m, *inputs(i, m)) for i, m in found)
+
+    for (i, m), result in zip(found, results()):
         apply_awq_(m.smooth, m.balance, result.scales, rows=m.rows, weight_offset=m.weight_offset)
         ratio = "none (plain RTN was best)" if result.ratio is None else f"{result.ratio:.2f}"
         gain = 1 - result.loss / result.baseline_loss if result.baseline_loss > 0 else 0.0

@@ -1,5 +1,5 @@
 """The calibration passes' causal attention on this CPU: ptq's compiled kernel against torch's
-sdpa kernel, which ptq.cpu_attention.beats_torch chooses between from the CPU's flags.
+sdpa kernel; the calibration passes take ptq's wherever it runs (ptq.cpu_attention.available).
 
     python scripts/bench_cpu_attention.py [--threads 1] [--repeats 5] [--dtype bfloat16]
 
@@ -67,7 +67,7 @@ def main() -> int:
         return 2
     torch.set_num_threads(args.threads)
     print(f"{args.dtype}, {args.threads} thread(s); AMX: {compiled.amx()}; "
-          f"ptq's rule takes: {'compiled' if cpu_attention.beats_torch(dtype) else 'torch sdpa'}")
+          f"ptq's rule takes: {'compiled' if cpu_attention.available(dtype) else 'torch sdpa'}")
     print(f"{'heads of':<14}{'H/KV':>7}{'S':>6}{'D':>5}{'compiled ms':>13}{'GFLOP/s':>9}"
           f"{'torch ms':>10}{'GFLOP/s':>9}{'compiled/torch':>16}{'max diff':>10}")
     for name, (heads, kv_heads, seq, dim) in SHAPES.items():

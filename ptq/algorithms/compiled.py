@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 14  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 15  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -96,9 +96,9 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_quadratic_pack.restype = None
     lib.ptq_gram_quadratic_pack.argtypes = [_P, _I, _I, _I, _I, _P]
     lib.ptq_abs_over_max.restype = ctypes.c_int
-    lib.ptq_abs_over_max.argtypes = [_P, _I, _I, _I, _I, _P]
+    lib.ptq_abs_over_max.argtypes = [_P, _I, _I, _I, _P]
     lib.ptq_scale_bf16.restype = ctypes.c_int
-    lib.ptq_scale_bf16.argtypes = [_P, _I, _P, _C, _I, _I, _P]
+    lib.ptq_scale_bf16.argtypes = [_P, _I, _I, _P, _C, _P]
     lib.ptq_linalg_available.restype = ctypes.c_int
     lib.ptq_linalg_available.argtypes = []
     lib.ptq_gemm_subtract.restype = ctypes.c_int

@@ -35,7 +35,7 @@ def abs_over_max(weights: list[Tensor], size: int) -> Tensor | None:
     out = torch.empty(sum(w.shape[0] for w in weights), cols, dtype=torch.float32)
     first = 0
     for w in weights:  # on this thread: a second one adds nothing to a pass bound by memory
-        if compiled.library()[0].ptq_abs_over_max(w.data_ptr(), cols, size, 0, w.shape[0], out[first].data_ptr()):
+        if compiled.library()[0].ptq_abs_over_max(w.data_ptr(), w.shape[0], cols, size, out[first].data_ptr()):
             return None
         first += w.shape[0]
     return out
@@ -52,6 +52,6 @@ def scale_bf16(W: Tensor, factor: Tensor) -> Tensor | None:
     if factor.shape not in ((1, cols), (rows, 1)):
         return None
     factor, out = factor.contiguous(), torch.empty_like(W)  # on this thread, as abs_over_max
-    failed = compiled.library()[0].ptq_scale_bf16(W.data_ptr(), cols, factor.data_ptr(), int(per_row), 0, rows,
+    failed = compiled.library()[0].ptq_scale_bf16(W.data_ptr(), rows, cols, factor.data_ptr(), int(per_row),
                                                   out.data_ptr())
     return None if failed else out

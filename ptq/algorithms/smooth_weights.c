@@ -7,8 +7,8 @@
 
    Each takes the float32 steps of its torch reference, so gives its bits, in one pass over
    the weights where torch takes three or four (widen, abs, max, divide; widen, multiply,
-   round). Rows are independent ([r0, r1)); ptq.algorithms.smooth_compiled calls each on one
-   thread, the passes being bound by memory. */
+   round). ptq.algorithms.smooth_compiled calls each on one thread: the passes are bound by
+   memory. */
 
 #include "quant_math.h"
 
@@ -20,14 +20,13 @@ AVX512 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Rows [r0, r1) of W [rows, cols] (bf16) to |W| / (m + 1e-6) into out (float32, the same
+/* W [rows, cols] (bf16) to |W| / (m + 1e-6) into out (float32, the same
    shape), m the largest |w| of each group of `size` consecutive columns of a row (size a
    multiple of 16 dividing cols). The largest |w| is exact, and NaN where the group holds a
    NaN (as torch's amax: the whole group's quotients are NaN then); the sum and the quotient
    are float32 ops rounded once, as torch's. */
-AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t cols, int64_t size, int64_t r0, int64_t r1,
-                                     float *out) {
-    for (int64_t r = r0; r < r1; r++)
+AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t rows, int64_t cols, int64_t size, float *out) {
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < cols; b += size) {
             const uint16_t *w = W + r * cols + b;
             __m512 m = _mm512_abs_ps(load_bf16(w));
@@ -55,12 +54,11 @@ AVX512 static inline __m256i bf16_bits(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0xFFFF)));
 }
 
-/* Rows [r0, r1) of W [rows, cols] (bf16) times f (float32: f[c] per column, or f[r] per
-   row where per_row) rounded to bf16 into out (the same shape; may be W); cols a multiple
-   of 16 */
-AVX512 static void scale_rows(const uint16_t *W, int64_t cols, const float *f, int32_t per_row, int64_t r0,
-                              int64_t r1, uint16_t *out) {
-    for (int64_t r = r0; r < r1; r++) {
+/* W [rows, cols] (bf16) times f (float32: f[c] per column, or f[r] per row where per_row)
+   rounded to bf16 into out (the same shape; may be W); cols a multiple of 16 */
+AVX512 static void scale_rows(const uint16_t *W, int64_t rows, int64_t cols, const float *f, int32_t per_row,
+                              uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
         const __m512 row_factor = _mm512_set1_ps(per_row ? f[r] : 0);
         for (int64_t c = 0; c < cols; c += 16) {
             const __m512 factor = per_row ? row_factor : _mm512_loadu_ps(f + c);
@@ -73,25 +71,24 @@ AVX512 static void scale_rows(const uint16_t *W, int64_t cols, const float *f, i
 
 /* abs_over_max_rows and scale_rows where they run (AVX-512; groups and rows of a multiple
    of 16 columns): 0, else 1 (nothing written) */
-int ptq_abs_over_max(const uint16_t *W, int64_t cols, int64_t size, int64_t r0, int64_t r1, float *out) {
+int ptq_abs_over_max(const uint16_t *W, int64_t rows, int64_t cols, int64_t size, float *out) {
 #if HAS_AVX512
     if (__builtin_cpu_supports("avx512f") && size % 16 == 0 && cols % size == 0) {
-        abs_over_max_rows(W, cols, size, r0, r1, out);
+        abs_over_max_rows(W, rows, cols, size, out);
         return 0;
     }
 #endif
-    (void)W, (void)cols, (void)size, (void)r0, (void)r1, (void)out;
+    (void)W, (void)rows, (void)cols, (void)size, (void)out;
     return 1;
 }
 
-int ptq_scale_bf16(const uint16_t *W, int64_t cols, const float *f, int32_t per_row, int64_t r0, int64_t r1,
-                   uint16_t *out) {
+int ptq_scale_bf16(const uint16_t *W, int64_t rows, int64_t cols, const float *f, int32_t per_row, uint16_t *out) {
 #if HAS_AVX512
     if (__builtin_cpu_supports("avx512f") && cols % 16 == 0) {
-        scale_rows(W, cols, f, per_row, r0, r1, out);
+        scale_rows(W, rows, cols, f, per_row, out);
         return 0;
     }
 #endif
-    (void)W, (void)cols, (void)f, (void)per_row, (void)r0, (void)r1, (void)out;
+    (void)W, (void)rows, (void)cols, (void)f, (void)per_row, (void)out;
     return 1;
 }
