@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 15  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 16  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -65,8 +65,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, (f"ptq's compiled loops at {spec.origin} were built from other C sources than the ones "
                       "beside it (changed since, or a rebuild failed): reinstall ptq (pip install -e .)")
     lib.ptq_gptq_block.restype = ctypes.c_int
-    lib.ptq_gptq_block.argtypes = [  # rows r0, r1 and positions i1, i2 first: they change per call
-        _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F, _C,
+    lib.ptq_gptq_block.argtypes = [  # rows r0, r1, positions i1, i2 and the loss's place first: they change
+        _I, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F, _C,
     ]
     lib.ptq_gptq_has_float16.restype = ctypes.c_int
     lib.ptq_awq_candidates.restype = ctypes.c_int

@@ -83,7 +83,7 @@ class BlockLoop:
         for t in (Wt, E, Qt, scale) + (() if zero is None else (zero,)):
             assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
         self._slices = row_slices(Wt.shape[1], threads)
-        self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2
+        self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2 and the loss's place
             Wt.data_ptr(), Wt.shape[1], Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
@@ -116,12 +116,11 @@ class BlockLoop:
         def rows(k: int, r0: int, r1: int) -> int:
             for b, i1 in enumerate(starts):
                 i2 = min(i1 + block_size, cols)
-                if block(r0, r1, i1, i2, *self._fixed):
+                # the block's Σ e² (its scaled errors on the slice) into losses[b, k]
+                if block(r0, r1, i1, i2, losses[b, k].data_ptr(), *self._fixed):
                     return 1
-                e = E[: i2 - i1, r0:r1]  # [block, slice]: the block's scaled errors
-                losses[b, k] = e.square().sum(dtype=torch.float64)
                 if i2 < cols:
-                    lazy_update(Wt[i2:, r0:r1], Hinv[i1:i2, i2:].t(), e)
+                    lazy_update(Wt[i2:, r0:r1], Hinv[i1:i2, i2:].t(), E[: i2 - i1, r0:r1])
             return 0
 
         tasks = [functools.partial(rows, k, r0, r1) for k, (r0, r1) in enumerate(self._slices)]

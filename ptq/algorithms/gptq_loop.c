@@ -269,6 +269,26 @@ VECTORIZED static void update_rows(const Shape *s, float *Wt, const float *E, co
     }
 }
 
+/* Σ e² over E's rows [0, rows) of the slice's columns [r0, r0 + n), in double: the products
+   of eight lanes of columns summed apart (vectorizable in a fixed order), then the lanes in order */
+static double sum_squares(const float *E, int64_t R, int64_t r0, int64_t n, int64_t rows) {
+    enum { LANES8 = 8 };
+    double lanes[LANES8] = {0};
+    for (int64_t m = 0; m < rows; m++) {
+        const float *e = E + m * R + r0;
+        int64_t r = 0;
+        for (; r + LANES8 <= n; r += LANES8)
+            for (int j = 0; j < LANES8; j++)
+                lanes[j] += (double)e[r + j] * (double)e[r + j];
+        for (; r < n; r++)
+            lanes[r % LANES8] += (double)e[r] * (double)e[r];
+    }
+    double total = 0;
+    for (int j = 0; j < LANES8; j++)
+        total += lanes[j];
+    return total;
+}
+
 /* GPTQ's column loop over positions [i1, i2) for rows [r0, r1): quantizes each column into
    Qt, its scaled error into E, and moves the block's later columns by it; at a position
    where first_group names a group, fits that group's parameters first.
@@ -276,8 +296,10 @@ VECTORIZED static void update_rows(const Shape *s, float *Wt, const float *E, co
    ascending), importance [cols] (diag H in processing order; NULL: all alike).
    candidates [ncandidates]: the shrink factors tried (mse: MSE_COARSE; min-max: {1.0});
    fine > 0: the mse search's fine step. portable: not the AVX-512 updates, which give the
-   same bits (for tests). Returns 0, or 1 when memory ran out. */
-int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, float *Wt, int64_t R, const float *Hinv,
+   same bits (for tests). *loss: Σ e² of the block's scaled errors on the slice (the block's
+   Losses, times 2). Returns 0, or 1 when memory ran out. */
+int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss, float *Wt, int64_t R,
+                   const float *Hinv,
                    int64_t hs0, int64_t hs1, float *E, int8_t *Qt, const int64_t *group_of,
                    const int64_t *first_group, const int64_t *members, int64_t size, const float *importance,
                    float *scale, float *zero, int32_t kind, float qmin, float qmax, const float *candidates,
@@ -289,6 +311,7 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, float *Wt, in
     (void)portable;
 #endif
     const Shape s = {R, r0, r1 - r0, hs0, hs1, qmin, qmax, kind, zero != NULL, wide};
+    *loss = 0;
     if (s.n <= 0)
         return 0;
     float *x = NULL, *acc = NULL, *imp = NULL;
@@ -334,6 +357,8 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, float *Wt, in
             update(Wt + k * R + r0, e, Hinv[p * hs0 + k * hs1], s.n);
     }
     free(x);
+    if (status == 0)
+        *loss = sum_squares(E, R, r0, s.n, i2 - i1);
     return status;
 }
 
