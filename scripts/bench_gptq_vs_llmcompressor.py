@@ -37,7 +37,9 @@ Phases, each printing a table:
    the same tool, the slowdown their ratio. On the bundled model both jobs are short and
    ptq's is mostly parallel work, which a busy CPU slows by its fair share (2x with one
    busy process per core), while llm-compressor's single-threaded Python slows less
-   (1.5x): the real-shaped model shows what a long job does.
+   (1.5x): the real-shaped model shows what a long job does. Beside each slowdown, the
+   fair one for the CPU the tool used quiet (1 + cores / CPUs, Slowdown.fair) and their
+   ratio: above 1, the job lost more than the share the scheduler owed it.
 Then each goal of issue 15 with its measured ratio, met or not met. On a VM each timed run
 records the share of the CPU the hypervisor took from it (steal: scripts/vm_steal.py), the
 tables the largest of a row's runs (`stolen`); a timed run that lost more than --max-steal
@@ -144,15 +146,15 @@ def ptq_recipe(method: str, samples: int, seq_len: int, group_size: int, options
 def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size: int, options: dict) -> dict:
     slow_bf16_if_asked()
     keep_freed_memory()  # as the ptq CLI's processes do (ptq/malloc.py); llm-compressor's keep glibc's default
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()  # process_time: every thread's CPU
     ids = torch.load(ids_path, weights_only=True)
     model, tokenizer = ptq.load_model(model_path)
     recipe = ptq_recipe(method, ids.shape[0], ids.shape[1], group_size, options)
     ptq.quantize(model, recipe, tokenizer=tokenizer, data=ids, show_progress=False)
     ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
     report = model.ptq_report
-    return {"wall": time.perf_counter() - start, "quantize": report.seconds,
-            "gptq": report.timings.get("GPTQ solves", 0.0),
+    return {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu_start,
+            "quantize": report.seconds, "gptq": report.timings.get("GPTQ solves", 0.0),
             "awq": report.timings.get("awq search", 0.0),
             "awq_statistics": report.timings.get("awq statistics", 0.0),
             "peak_rss_mb": peak_rss_mb(), "timings": report.timings,
@@ -349,10 +351,20 @@ class Slowdown:
     quiet: float  # median wall seconds
     loaded: float
     stolen: str  # the largest CPU share the hypervisor took during one of the runs, quiet or loaded
+    cores: float  # quiet: CPU seconds over wall seconds (all its threads), median
+    cpus: int  # cores of the machine, each with a busy process beside the loaded run
 
     @property
     def ratio(self) -> float:
         return self.loaded / self.quiet
+
+    @property
+    def fair(self) -> float:
+        """The slowdown a fair share of the CPU gives a job that used `cores` quiet: while it
+        runs k threads beside C busy single-thread processes on C cores, the scheduler gives
+        it C·k / (k + C) cores instead of k, 1 + k/C times slower; over the run, 1 + cores/C.
+        One thread: 1.5x on 2 cores; both cores busy all along: 2x."""
+        return 1 + self.cores / self.cpus
 
 
 def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
@@ -360,11 +372,14 @@ def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
     slowdowns = {name: loaded_runs(args, results, name) for name in args.load_models}
     print(f"\nUnder load: GPTQ, {len(os.sched_getaffinity(0))} busy processes (one per core) beside it; "
           f"wall seconds, medians of {args.repeats}")
-    print(f"{'model':8} {'tool':14} {'dtype':10} {'quiet':>7} {'loaded':>7} {'slowdown':>9} {'stolen':>6}")
+    print("(cores: CPU seconds per wall second, quiet; fair: the slowdown a fair share of the CPU gives a job "
+          "using that many cores, 1 + cores / CPUs; over fair: slowdown / fair)")
+    print(f"{'model':8} {'tool':14} {'dtype':10} {'quiet':>7} {'loaded':>7} {'slowdown':>9} {'stolen':>6} "
+          f"{'cores':>6} {'fair':>6} {'over fair':>9}")
     for name, tools in slowdowns.items():
         for tool, run in tools.items():
             print(f"{name:8} {tool:14} {run.dtype:10} {run.quiet:7.1f} {run.loaded:7.1f} {run.ratio:8.2f}x "
-                  f"{run.stolen:>6}")
+                  f"{run.stolen:>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
     return slowdowns
 
 
@@ -376,12 +391,12 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
     llmc = faster_llmc(results, name)
     if llmc:
         cases.append(("llmcompressor", llmc[0]))
-    cores = len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0))
     runs: dict[tuple[str, str], list[dict]] = {}  # (tool, "quiet" or "loaded") -> results
     for _, (tool, dtype), load in itertools.product(range(args.repeats), cases, ("quiet", "loaded")):
         print(f"[{time.strftime('%H:%M:%S')}] {load}: {tool} gptq ({dtype}) on {name} ...", flush=True)
         timeout = max(60.0, args.load_timeout * median(results[(name, tool, "gptq", dtype)], "wall"))
-        with busy_cores(cores) if load == "loaded" else contextlib.nullcontext():
+        with busy_cores(cpus) if load == "loaded" else contextlib.nullcontext():
             result = run_worker(args, tool, "gptq", name, dtype, timeout=timeout)
         print(f"  {json.dumps(result)}", flush=True)
         runs.setdefault((tool, load), []).append(result)
@@ -389,8 +404,11 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
     def wall(tool: str, load: str) -> float:  # a run stopped for its time counts with that time
         return statistics.median(r["wall"] for r in runs[(tool, load)])
 
+    def cores(tool: str) -> float:
+        return statistics.median(r.get("cpu", float("nan")) / r["wall"] for r in runs[(tool, "quiet")])
+
     return {tool: Slowdown(dtype, wall(tool, "quiet"), wall(tool, "loaded"),
-                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]))
+                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]), cores(tool), cpus)
             for tool, dtype in cases}
 
 

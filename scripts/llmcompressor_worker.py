@@ -53,7 +53,7 @@ def main() -> None:
     GPTQModifier.compress_modules = timed_compress
     if os.environ.get("PTQ_BENCH_NO_FAST_BF16") == "1":  # the benchmark's --no-fast-bf16
         torch.backends.mkldnn.enabled = False
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()  # process_time: every thread's CPU
     ids = torch.load(args.ids, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -78,6 +78,7 @@ def main() -> None:
     tokenizer.save_pretrained(args.out)
     print(json.dumps({
         "wall": time.perf_counter() - start,
+        "cpu": time.process_time() - cpu_start,
         "quantize": quantize,  # oneshot: calibration and the solves
         "gptq": solve["seconds"],
         "peak_rss_mb": peak_rss_mb(),
