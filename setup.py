@@ -3,7 +3,7 @@ candidate grid; ptq/packing.c: int32 packing; ptq/calibration/gram_amx.c: Hessia
 AMX or AVX512-BF16; ptq/algorithms/transpose.c: transposed copies; ptq/cpu_attention.c,
 cpu_attention_f32.c and ptq/cpu_norm.c: the calibration passes' causal attention (bf16,
 float32) and RMSNorms; ptq/cpu_mlp.c: their SiLU-gated
-products; ptq/calibration/channel_stats.c:
+products; ptq/cpu_rotary.c: their rotary position embeddings; ptq/calibration/channel_stats.c:
 their per-channel sums and maxima of |x|; ptq/algorithms/smooth_weights.c: the passes over
 bf16 weights around AWQ's grid and SmoothQuant), built when a C compiler is there;
 without one ptq installs all the same and runs the torch references (the report says so).
@@ -28,7 +28,7 @@ setup(
                      "ptq/calibration/gram_amx.c", "ptq/algorithms/transpose.c", "ptq/cpu_attention.c",
                      "ptq/cpu_attention_f32.c",
                      "ptq/algorithms/linalg.c", "ptq/algorithms/linalg_avx2.c", "ptq/cpu_norm.c", "ptq/cpu_mlp.c",
-                     "ptq/calibration/channel_stats.c", "ptq/algorithms/smooth_weights.c"],
+                     "ptq/cpu_rotary.c", "ptq/calibration/channel_stats.c", "ptq/algorithms/smooth_weights.c"],
             depends=["ptq/algorithms/quant_math.h", "ptq/algorithms/linalg.h"],
             define_macros=[("PTQ_SOURCE_DIGEST", f'"{DIGEST}"')],  # checked at load (ptq/_sources.py)
             # no fused multiply-adds: the same bits on every CPU (see the file's header)

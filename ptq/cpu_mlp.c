@@ -18,19 +18,12 @@
 
 #include "algorithms/quant_math.h"
 
-static inline float widened(uint16_t h) { /* a bf16 value as float32: exact */
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* y[i] = bf16(silu[g[i]] · u[i]) for i in [i0, i1); the number of non-finite products */
 static int64_t silu_mul_portable(const uint16_t *g, const uint16_t *u, const uint16_t *silu, int64_t i0, int64_t i1,
                                  uint16_t *y) {
     int64_t odd = 0;
     for (int64_t i = i0; i < i1; i++) {
-        const float p = widened(silu[g[i]]) * widened(u[i]);
+        const float p = bf16_widened(silu[g[i]]) * bf16_widened(u[i]);
         odd += !(p - p == 0.0f); /* NaN for an infinite or NaN p */
         const float r = to_bf16(p);
         uint32_t bits;
@@ -51,8 +44,7 @@ AVX512 static int64_t silu_mul_avx512(const uint16_t *g, const uint16_t *u, cons
            one (the table has one more, for the last) shifted out */
         const __m512i entry = _mm512_i32gather_epi32(index, (const void *)silu, 2);
         const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(entry, 16));
-        const __m512 v = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i))), 16));
+        const __m512 v = bf16_load_v(u + i);
         const __m512 p = _mm512_mul_ps(s, v);
         odd += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_sub_ps(p, p), zero, _CMP_NEQ_UQ));
         const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(p)), 16);

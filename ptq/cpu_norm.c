@@ -29,13 +29,6 @@
 
 enum { MAX_LANES = 16, ILP = 4, LEVELS = 4, ROUND_MAX = ILP * MAX_LANES };
 
-ALWAYS_INLINE float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x rounded to bf16 to nearest even; NaN to 0x7FC0 (c10::BFloat16's scalar conversion; torch's
    vector code may keep a NaN's sign and payload: NaN either way) */
 ALWAYS_INLINE uint16_t bf16_bits(float x) {
@@ -50,7 +43,7 @@ ALWAYS_INLINE uint16_t bf16_bits(float x) {
 VECTORIZED static void add_rounds(float *acc, const uint16_t *x, int64_t i0, int64_t i1, int W) {
     for (int64_t i = i0; i < i1; i++)
         for (int c = 0; c < W; c++) {
-            const float v = bf16_value(x[i * W + c]);
+            const float v = bf16_widened(x[i * W + c]);
             acc[c] += v * v;
         }
 }
@@ -58,7 +51,7 @@ VECTORIZED static void add_rounds(float *acc, const uint16_t *x, int64_t i0, int
 /* y[j] = bf16(w[j] · bf16(x[j] · scale)) for j < n */
 VECTORIZED static void scaled_row(const uint16_t *x, const uint16_t *w, int64_t n, float scale, uint16_t *y) {
     for (int64_t j = 0; j < n; j++)
-        y[j] = bf16_bits(bf16_value(w[j]) * bf16_value(bf16_bits(bf16_value(x[j]) * scale)));
+        y[j] = bf16_bits(bf16_widened(w[j]) * bf16_widened(bf16_bits(bf16_widened(x[j]) * scale)));
 }
 
 #if HAS_AVX512 /* (quant_math.h) */
@@ -66,9 +59,6 @@ AVX512 static inline __m512 bf16_values_v(__m256i h) { /* 16 bf16 -> float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-AVX512 static inline __m512 load_bf16_v(const uint16_t *p) {
-    return bf16_values_v(_mm256_loadu_si256((const __m256i *)p));
-}
 
 AVX512 static inline __m256i bf16_bits_v(__m512 v) { /* bf16_bits, 16 lanes (quant_math.h's to_bf16_v) */
     __m512i r = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(v)), 16);
@@ -84,7 +74,7 @@ AVX512 static void add_rounds_avx512(float *acc, const uint16_t *x, int64_t i0, 
         a[k] = _mm512_loadu_ps(acc + 16 * k);
     for (int64_t i = i0; i < i1; i++)
         for (int k = 0; k < vectors; k++) {
-            const __m512 v = load_bf16_v(x + i * W + 16 * k);
+            const __m512 v = bf16_load_v(x + i * W + 16 * k);
             a[k] = _mm512_add_ps(a[k], _mm512_mul_ps(v, v));
         }
     for (int k = 0; k < vectors; k++)
@@ -95,8 +85,8 @@ AVX512 static void scaled_row_avx512(const uint16_t *x, const uint16_t *w, int64
     const __m512 s = _mm512_set1_ps(scale);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const __m512 h = bf16_values_v(bf16_bits_v(_mm512_mul_ps(load_bf16_v(x + j), s)));
-        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(load_bf16_v(w + j), h)));
+        const __m512 h = bf16_values_v(bf16_bits_v(_mm512_mul_ps(bf16_load_v(x + j), s)));
+        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(bf16_load_v(w + j), h)));
     }
     scaled_row(x + j, w + j, n - j, scale, y + j);
 }
@@ -137,7 +127,7 @@ static float sum_of_squares(const uint16_t *x, int64_t n, int L, int wide) {
             acc[0][c] += acc[j][c];
     for (int64_t v = rounds * ILP; v < vectors; v++) /* whole vectors past the last round */
         for (int l = 0; l < L; l++) {
-            const float e = bf16_value(x[v * L + l]);
+            const float e = bf16_widened(x[v * L + l]);
             acc[0][l] += e * e;
         }
     for (int k = 1; k < ILP; k++)
@@ -145,7 +135,7 @@ static float sum_of_squares(const uint16_t *x, int64_t n, int L, int wide) {
             acc[0][l] += acc[0][k * L + l];
     float total = 0;
     for (int64_t j = vectors * L; j < n; j++) {
-        const float e = bf16_value(x[j]);
+        const float e = bf16_widened(x[j]);
         total += e * e;
     }
     for (int l = 0; l < L; l++)

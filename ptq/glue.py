@@ -1,11 +1,13 @@
-"""What the calibration passes' compiled glue (ptq.cpu_norm, ptq.cpu_mlp) shares: knowing a
-module by its class's forward being transformers' Llama code (bytecode, names and
-constants: other families copy that code), seeing whether a call would run hooks, and
-setting a compiled forward on module instances while a block's passes run."""
+"""What the calibration passes' compiled glue (ptq.cpu_norm, ptq.cpu_mlp, ptq.cpu_rotary)
+shares: knowing a module by its class's forward being transformers' Llama code (bytecode,
+names and constants: other families copy that code), seeing whether a call would run hooks,
+copying a function with some of its global names bound to other objects, and setting a
+compiled forward on module instances while a block's passes run."""
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -42,6 +44,43 @@ def hooked(module: nn.Module) -> bool:
     hooks = nn.modules.module
     return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
                 or hooks._global_forward_pre_hooks)
+
+
+def with_globals(function: Callable, names: dict[str, object]) -> Callable | None:
+    """A copy of function whose code looks up `names` in a globals dict of its own (a copy of
+    its module's, with those names bound to the given objects); its module is left as it is.
+    Decorators made with functools.wraps (a wrapper holding the function it wraps in a
+    closure cell, as __wrapped__) are copied around the copy, so that the copy runs what
+    the original runs; None where a wrapper holds the wrapped function otherwise."""
+    inner = getattr(function, "__wrapped__", None)
+    if not isinstance(function, types.FunctionType):
+        return None
+    if inner is None:
+        copied = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                                    function.__defaults__, function.__closure__)
+        copied.__kwdefaults__ = function.__kwdefaults__
+        copied = functools.update_wrapper(copied, function)
+        del copied.__wrapped__  # a copy, not a wrapper of the original
+        return copied
+    inner_copy = with_globals(inner, names)
+    cells = function.__closure__ or ()
+    holds = [i for i, cell in enumerate(cells) if _contents(cell) is inner]
+    if inner_copy is None or not holds:
+        return None
+    cells = tuple(types.CellType(inner_copy) if i in holds else cell for i, cell in enumerate(cells))
+    copied = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                                cells)
+    copied.__kwdefaults__ = function.__kwdefaults__
+    copied = functools.update_wrapper(copied, function)
+    copied.__wrapped__ = inner_copy
+    return copied
+
+
+def _contents(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 @contextmanager

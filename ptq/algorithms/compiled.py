@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 16  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 17  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -132,6 +132,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_sum_squares_bf16.argtypes = [_P, _I, _I, _I, _C, _P]
     lib.ptq_silu_mul_bf16.restype = ctypes.c_int64
     lib.ptq_silu_mul_bf16.argtypes = [_P, _P, _P, _I, _C, _P]
+    lib.ptq_rotary.restype = ctypes.c_int64
+    lib.ptq_rotary.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _I, _C, _C, _P, _I, _I, _I]
     for name in ("ptq_abs_column_sums", "ptq_abs_column_maxs"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_P, _I, _I, _I, _I, _C, _P]

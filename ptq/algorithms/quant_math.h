@@ -11,7 +11,7 @@
 
 /* ptq_compiled_abi's answer: raised whenever an exported function's arguments change, so that
    a library built before (an editable install not rebuilt) is refused instead of called wrongly */
-enum { PTQ_COMPILED_ABI = 16 };
+enum { PTQ_COMPILED_ABI = 17 };
 
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 }; /* also the dtypes of weights and outputs */
 
@@ -29,6 +29,14 @@ static inline float round_clamp(float x, float lo, float hi) {
     float r = (x + ROUNDER) - ROUNDER;
     r = r < lo ? lo : r;
     return r > hi ? hi : r;
+}
+
+/* a bf16 value (its bits) as float32: exact */
+static inline float bf16_widened(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 static inline float to_bf16(float x) {
@@ -61,6 +69,14 @@ AVX512 static inline __m512 to_bf16_v(__m512 x) {
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* 16 bf16 values at p widened to float32 (exact) */
+AVX512 static inline __m512 bf16_load_v(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* 16 float32 that hold bf16 values (to_bf16_v's) stored at p as bf16 */
+AVX512 static inline void bf16_store_v(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 /* rows [16] of 16 32-bit values, transposed in place (4 rounds of shuffles) */
 AVX512 static inline void transpose16(__m512i r[16]) {

@@ -14,12 +14,6 @@
 
 #if HAS_AVX512
 
-/* 16 bf16 at p widened to float32 */
-AVX512 static inline __m512 load_bf16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* W [rows, cols] (bf16) to |W| / (m + 1e-6) into out (float32, the same
    shape), m the largest |w| of each group of `size` consecutive columns of a row (size a
    multiple of 16 dividing cols). The largest |w| is exact, and NaN where the group holds a
@@ -29,10 +23,10 @@ AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t rows, int64_t co
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < cols; b += size) {
             const uint16_t *w = W + r * cols + b;
-            __m512 m = _mm512_abs_ps(load_bf16(w));
+            __m512 m = _mm512_abs_ps(bf16_load_v(w));
             __mmask16 nan = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
             for (int64_t k = 16; k < size; k += 16) {
-                const __m512 v = _mm512_abs_ps(load_bf16(w + k));
+                const __m512 v = _mm512_abs_ps(bf16_load_v(w + k));
                 nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
                 m = _mm512_max_ps(v, m);
             }
@@ -42,7 +36,7 @@ AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t rows, int64_t co
             const __m512 divisor = _mm512_set1_ps(largest + 1e-6f);
             for (int64_t k = 0; k < size; k += 16)
                 _mm512_storeu_ps(out + r * cols + b + k,
-                                 _mm512_div_ps(_mm512_abs_ps(load_bf16(w + k)), divisor));
+                                 _mm512_div_ps(_mm512_abs_ps(bf16_load_v(w + k)), divisor));
         }
 }
 
@@ -62,7 +56,7 @@ AVX512 static void scale_rows(const uint16_t *W, int64_t rows, int64_t cols, con
         const __m512 row_factor = _mm512_set1_ps(per_row ? f[r] : 0);
         for (int64_t c = 0; c < cols; c += 16) {
             const __m512 factor = per_row ? row_factor : _mm512_loadu_ps(f + c);
-            const __m512 x = _mm512_mul_ps(load_bf16(W + r * cols + c), factor);
+            const __m512 x = _mm512_mul_ps(bf16_load_v(W + r * cols + c), factor);
             _mm256_storeu_si256((__m256i *)(out + r * cols + c), bf16_bits(x));
         }
     }

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ptq import cpu_mlp, cpu_norm
+from ptq import cpu_mlp, cpu_norm, cpu_rotary
 from ptq.calibration.observers import Observer
 from ptq.cpu_attention import compiled_attention
 from ptq.devices import map_side_by_side
@@ -341,9 +341,10 @@ class BlockRun:
 
 @contextmanager
 def compiled_glue(block: nn.Module) -> Iterator[None]:
-    """On a CPU, the block's Llama-style RMSNorms and MLP products compiled while inside
-    (ptq.cpu_norm, ptq.cpu_mlp: the same bits as transformers' code)."""
-    with cpu_norm.compiled_norms(block), cpu_mlp.compiled_products(block):
+    """On a CPU, the block's Llama-style RMSNorms, MLP products and rotary embeddings compiled
+    while inside (ptq.cpu_norm, ptq.cpu_mlp, ptq.cpu_rotary: the same bits as transformers'
+    code)."""
+    with cpu_norm.compiled_norms(block), cpu_mlp.compiled_products(block), cpu_rotary.compiled_rotary(block):
         yield
 
 

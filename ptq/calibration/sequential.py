@@ -20,7 +20,8 @@ inputs produced by the already-quantized stages before it:
 - on a CPU, the block's norms that read nothing but the block's own input (Llama's
   input_layernorm) are computed in the first pass only, and a norm whose output is a
   stage's input (post_attention_layernorm) in that stage's pass only (Memo); a
-  Llama-style MLP's SiLU-gated product is computed compiled (ptq.cpu_mlp).
+  Llama-style MLP's SiLU-gated product and rotary embeddings are computed compiled
+  (ptq.cpu_mlp, ptq.cpu_rotary).
 
 The cost per block is about one forward pass of its Linears and a few passes of the glue
 between them (attention core, norms), instead of two or more full passes.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ptq import cpu_mlp
+from ptq import cpu_mlp, cpu_rotary
 from ptq.calibration.memo import Batch, Memo, memoized
 from ptq.calibration.observers import Observer
 from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden, run_until_stopped
@@ -204,6 +205,7 @@ def quantize_block_sequentially(
     if batch.device.type == "cpu" and len(order.stages) > 1:  # on an accelerator the glue is cheap and memory dear
         memos = memo.enter_context(memoized(run.block, linears, batch, len(run.inputs)))
         memo.enter_context(cpu_mlp.compiled_products(run.block))
+        memo.enter_context(cpu_rotary.compiled_rotary(run.block))
     with memo:
         return _quantize_stages(run, order, linears, make_observer, quantize, batch, memos)
 
