@@ -75,7 +75,8 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, portable: bool = False) -> Tenso
 def _apply(original: Callable, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args, **kwargs):
     """apply_rotary_pos_emb(q, k, cos, sin[, unsqueeze_dim=1]) compiled where rotary applies
     to both, else the module's own function `original`."""
-    default = (not args and not kwargs) or (args == (1,) and not kwargs) or (not args and kwargs == {"unsqueeze_dim": 1})
+    # a fifth argument by position is position_ids in older transformers: theirs to take
+    default = not args and kwargs in ({}, {"unsqueeze_dim": 1})
     if default and not (isinstance(original, nn.Module) and hooked(original)):
         q_embed = rotary(q, cos, sin)
         k_embed = None if q_embed is None else rotary(k, cos, sin)
