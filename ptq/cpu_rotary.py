@@ -124,13 +124,9 @@ def compiled_forward(module: nn.Module) -> Callable | None:
     original = inspect.unwrap(function).__globals__.get(NAME)
     if original is None or not computes_llama_rotary(original):
         return None
-    replaced = _with_rotary(function, original)
+    # copied afresh for each block's passes: the copy sees its module's globals as they are now
+    replaced = with_globals(function, {NAME: functools.partial(_apply, original)})
     return None if replaced is None else types.MethodType(replaced, module)
-
-
-@functools.cache
-def _with_rotary(function: Callable, original: Callable) -> Callable | None:
-    return with_globals(function, {NAME: functools.partial(_apply, original)})
 
 
 @contextlib.contextmanager
