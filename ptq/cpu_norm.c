@@ -59,7 +59,6 @@ AVX512 static inline __m512 bf16_values_v(__m256i h) { /* 16 bf16 -> float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-
 AVX512 static inline __m256i bf16_bits_v(__m512 v) { /* bf16_bits, 16 lanes (quant_math.h's to_bf16_v) */
     __m512i r = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(v)), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));

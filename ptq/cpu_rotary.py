@@ -48,7 +48,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, portable: bool = False) -> Tenso
     strides, as torch's has. None where that does not hold, where bf16 would not take the
     AVX-512 code (a CPU without it, or half a head not a multiple of 16: the portable loop
     is slower than torch's) or a result is not finite. portable: not the AVX-512 code (the
-    same bits: for tests).""" 
+    same bits: for tests)."""
     applies = (
         x.device.type == cos.device.type == sin.device.type == "cpu" and x.dtype in DTYPES
         and x.dtype == cos.dtype == sin.dtype and x.dim() == 4 and cos.dim() == 3
@@ -60,7 +60,8 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, portable: bool = False) -> Tenso
     if not applies or compiled.unavailable() is not None:
         return None
     # bf16 takes the AVX-512 code (16 lanes of each half): the portable loop is slower than torch
-    if x.dtype == torch.bfloat16 and not portable and not (x.shape[3] // 2 % 16 == 0 and compiled.linalg_kind() == "AVX-512"):
+    wide = x.shape[3] // 2 % 16 == 0 and compiled.linalg_kind() == "AVX-512"
+    if x.dtype == torch.bfloat16 and not (wide or portable):
         return None
     out = torch.empty_like(x)  # x's strides where x is dense (a transposed view of the projection)
     if out.stride(3) != 1:
@@ -89,7 +90,8 @@ def _apply(original: Callable, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *
 def computes_llama_rotary(function: Callable) -> bool:
     """Whether function(q, k, cos, sin) gives the compiled rotary's bits on probes: random
     heads of 64 (bf16 and float32; strided, as a projection's view), cos and sin for each
-    sample and one row for all."""
+    sample and one row for all. The portable code answers (the same bits as the AVX-512
+    code): a CPU without AVX-512 recognises the function too, for its float32 passes."""
     g = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
         for cos_batch in (2, 1):
@@ -104,7 +106,7 @@ def computes_llama_rotary(function: Callable) -> bool:
                 return False
             if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, Tensor) for t in got)):
                 return False
-            ours = rotary(q, cos, sin), rotary(k, cos, sin)
+            ours = rotary(q, cos, sin, portable=True), rotary(k, cos, sin, portable=True)
             if not all(o is not None and o.shape == t.shape and o.dtype == t.dtype and torch.equal(o, t)
                        for o, t in zip(ours, got)):
                 return False

@@ -56,23 +56,26 @@ def with_globals(function: Callable, names: dict[str, object]) -> Callable | Non
     if not isinstance(function, types.FunctionType):
         return None
     if inner is None:
-        copied = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
-                                    function.__defaults__, function.__closure__)
-        copied.__kwdefaults__ = function.__kwdefaults__
-        copied = functools.update_wrapper(copied, function)
-        del copied.__wrapped__  # a copy, not a wrapper of the original
-        return copied
+        return _copy(function, {**function.__globals__, **names}, function.__closure__, None)
     inner_copy = with_globals(inner, names)
     cells = function.__closure__ or ()
     holds = [i for i, cell in enumerate(cells) if _contents(cell) is inner]
     if inner_copy is None or not holds:
         return None
     cells = tuple(types.CellType(inner_copy) if i in holds else cell for i, cell in enumerate(cells))
-    copied = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
-                                cells)
+    return _copy(function, function.__globals__, cells, inner_copy)
+
+
+def _copy(function: types.FunctionType, globals_: dict, closure: tuple | None, wrapped: Callable | None):
+    """function's code with these globals and closure cells, its name, defaults and attributes;
+    __wrapped__ the given function (None: none)."""
+    copied = types.FunctionType(function.__code__, globals_, function.__name__, function.__defaults__, closure)
     copied.__kwdefaults__ = function.__kwdefaults__
     copied = functools.update_wrapper(copied, function)
-    copied.__wrapped__ = inner_copy
+    if wrapped is None:
+        del copied.__wrapped__  # a copy, not a wrapper of the original
+    else:
+        copied.__wrapped__ = wrapped
     return copied
 
 

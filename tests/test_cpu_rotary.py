@@ -128,6 +128,16 @@ def test_only_llamas_rotary_is_recognised():
     assert not cpu_rotary.computes_llama_rotary(lambda q, k: (q, k))  # another signature
 
 
+@needs_library
+def test_a_cpu_without_avx512_keeps_float32_and_leaves_bf16_to_torch(monkeypatch):
+    monkeypatch.setattr(compiled, "linalg_kind", lambda: "AVX2")
+    assert cpu_rotary.computes_llama_rotary.__wrapped__(apply_rotary_pos_emb)  # recognised all the same
+    q, _, cos, sin = _heads(2, 4, 2, 5, 64, torch.float32)
+    assert _same(cpu_rotary.rotary(q, cos, sin), apply_rotary_pos_emb(q, q, cos, sin)[0])
+    q, _, cos, sin = _heads(2, 4, 2, 5, 64, torch.bfloat16)
+    assert cpu_rotary.rotary(q, cos, sin) is None
+
+
 def _llama_attention(dtype):
     config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=256, num_hidden_layers=1, vocab_size=64)
