@@ -6,6 +6,7 @@ copies a decorated function."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -228,3 +229,28 @@ def test_with_globals_refuses_a_wrapper_it_cannot_copy():
     table = {"f": looked_up}
     holds_elsewhere.__wrapped__ = looked_up  # claims to wrap it, but holds it in a dict
     assert with_globals(holds_elsewhere, {}) is None
+
+
+ROTARY_FAMILIES = ("llama", "llama3", "mistral", "qwen2.5", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+@needs_library
+@pytest.mark.parametrize("family", ROTARY_FAMILIES + ("opt", "falcon"))
+def test_each_family_gives_the_same_logits(family):
+    """Tiny random models of the families ptq supports: the attentions whose forward calls
+    Llama's rotary take the compiled one (those with rotary embeddings), and the logits are
+    the same bits; bf16 where AVX-512 runs it, else float32."""
+    from tests.conftest import tiny_model
+
+    dtype = torch.bfloat16 if compiled.linalg_kind() == "AVX-512" else torch.float32
+    model = tiny_model(family, dtype=dtype)
+    ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        with contextlib.ExitStack() as stack:
+            blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList)][0]
+            found = [stack.enter_context(cpu_rotary.compiled_rotary(block)) for block in blocks]
+            got = model(input_ids=ids, use_cache=False).logits
+    if family in ROTARY_FAMILIES:
+        assert found == [1] * len(blocks)
+    assert torch.equal(got, want)
