@@ -315,6 +315,12 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
         ratios[name] = quantize / floor.seconds
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
+        solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
+        passes, passes_floor = quantize - solves, floor.forward + floor.hessians
+        print(f"{'':8} by part: the solves {solves:.2f} s against their floor's {floor.solves:.2f} s "
+              f"({solves / floor.solves:.2f}x); the rest, the passes (forward, Hessians, the glue between the "
+              f"Linears, bookkeeping), {passes:.2f} s against the floor's forward and Hessians "
+              f"{passes_floor:.2f} s ({passes / passes_floor:.2f}x)")
         if lax.seconds != floor.seconds:
             print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
                   f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "
@@ -326,7 +332,6 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
               f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
         if search is not None and (name, "ptq", "awq-linear", "auto") in results:
             measured = median(results[(name, "ptq", "awq-linear", "auto")], "awq")
-            solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
             print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP ({AWQ_GRID + 1} candidates' "
                   f"ΔW G ΔWᵀ) = {search.seconds:.2f} s at least, measured {measured:.2f} s "
                   f"({measured / search.seconds:.2f}x); GPTQ solves: {floor.solves_tflop:.3f} TFLOP, "
