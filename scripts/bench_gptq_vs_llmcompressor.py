@@ -39,7 +39,10 @@ Phases, each printing a table:
    busy process per core), while llm-compressor's single-threaded Python slows less
    (1.5x): the real-shaped model shows what a long job does. Beside each slowdown, the
    fair one for the CPU the tool used quiet (1 + cores / CPUs, Slowdown.fair) and their
-   ratio: above 1, the job lost more than the share the scheduler owed it.
+   ratio: above 1, the job lost more than the share the scheduler owed it; and the same for
+   a plain loop of torch GEMMs on one thread and on all (reference_jobs): a lone thread
+   loses its fair share, an op split evenly across threads that wait for each other loses
+   more (1.4-1.5x over it on a 2-core VM).
 Then each goal of issue 15 with its measured ratio, met or not met. On a VM each timed run
 records the share of the CPU the hypervisor took from it (steal: scripts/vm_steal.py), the
 tables the largest of a row's runs (`stolen`); a timed run that lost more than --max-steal
@@ -70,6 +73,7 @@ import torch
 from bench_floor import Floor, Rates, SearchFloor, awq_search_floor, floor_of, transformers_forward
 from bench_under_load import busy_cores
 from ptq.malloc import keep_freed_memory
+from ptq.openmp import WAIT_VARIABLES
 from vm_steal import largest_share, little_steal, measured_steal
 
 HERE = Path(__file__).resolve()
@@ -385,7 +389,47 @@ def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
         for tool, run in tools.items():
             print(f"{name:8} {tool:14} {run.dtype:10} {run.quiet:7.1f} {run.loaded:7.1f} {run.ratio:8.2f}x "
                   f"{run.stolen:>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
+    for threads, run in reference_jobs().items():
+        print(f"{'GEMMs':8} {f'{threads} thread(s)':14} {'float32':10} {run.quiet:7.1f} {run.loaded:7.1f} "
+              f"{run.ratio:8.2f}x {'':>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
+    print("(GEMMs: a loop of float32 1024 x 1024 matmuls in torch, its default OpenMP wait, on 1 thread and on "
+          "all: what the fair share predicts for a lone thread, and what an op split evenly across threads that "
+          "wait for each other at its end loses beyond it)")
     return slowdowns
+
+
+_GEMM_LOOP = '''
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+start, cpu = time.perf_counter(), time.process_time()
+for _ in range(int(sys.argv[2])):
+    a @ b
+print((time.perf_counter() - start), (time.process_time() - cpu))
+'''
+
+
+def reference_jobs(seconds: float = 1.5) -> dict[int, Slowdown]:
+    """threads -> Slowdown of a plain GEMM loop in its own process (python -c, no ptq
+    import, no OpenMP wait variable: libgomp's default spin), quiet and beside a busy process per core, sized to take
+    about `seconds` quiet; on 1 thread and on all the CPUs."""
+    cpus = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}  # not the spin ptq set here
+
+    def timed(threads: int, calls: int) -> tuple[float, float]:
+        out = subprocess.run([sys.executable, "-c", _GEMM_LOOP, str(threads), str(calls)], capture_output=True,
+                             text=True, check=True, env=env).stdout.split()
+        return float(out[0]), float(out[1])
+
+    jobs = {}
+    for threads in sorted({1, cpus}):
+        wall, _ = timed(threads, 20)
+        calls = max(20, round(20 * seconds / max(wall, 1e-3)))
+        quiet, cpu = timed(threads, calls)
+        with busy_cores(cpus):
+            loaded, _ = timed(threads, calls)
+        jobs[threads] = Slowdown("float32", quiet, loaded, "", cpu / quiet, cpus)
+    return jobs
 
 
 def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
