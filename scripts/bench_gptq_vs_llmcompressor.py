@@ -29,20 +29,15 @@ Phases, each printing a table:
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
    here for its kind of operation (timed before and after the timed runs, the faster
    kept: a VM slowed while a rate is timed would raise the floor), against ptq's quantize
-   time; beside it a plain forward pass in transformers of the same tokens, which shows
-   what the glue between the Linears costs (the floor counts the Linears and attention only);
+   time, in all and by part; beside it transformers' plain forward of the same tokens: what
+   the glue between the Linears costs (the floor counts the Linears and attention only);
 4. under load (--load-models: the bundled model and the SmolLM2-shaped one by default):
    ptq's GPTQ and llm-compressor's (at its faster dtype) with one busy process per core
    beside them (scripts/bench_under_load.busy_cores), each run right after a quiet one of
-   the same tool, the slowdown their ratio. On the bundled model both jobs are short and
-   ptq's is mostly parallel work, which a busy CPU slows by its fair share (2x with one
-   busy process per core), while llm-compressor's single-threaded Python slows less
-   (1.5x): the real-shaped model shows what a long job does. Beside each slowdown, the
-   fair one for the CPU the tool used quiet (1 + cores / CPUs, Slowdown.fair) and their
-   ratio: above 1, the job lost more than the share the scheduler owed it; and the same for
-   a plain loop of torch GEMMs on one thread and on all (reference_jobs): a lone thread
-   loses its fair share, an op split evenly across threads that wait for each other loses
-   more (1.4-1.5x over it on a 2-core VM).
+   the same tool, the slowdown their ratio; beside it the slowdown a fair share of the CPU
+   gives a job as busy as the tool was quiet (bench_under_load.Slowdown.fair) and the ratio
+   of the two, and the same for a plain loop of torch GEMMs on one thread and on all
+   (bench_under_load.reference_jobs: what a lone thread and an evenly split op lose).
 Then each goal of issue 15 with its measured ratio, met or not met. On a VM each timed run
 records the share of the CPU the hypervisor took from it (steal: scripts/vm_steal.py), the
 tables the largest of a row's runs (`stolen`); a timed run that lost more than --max-steal
@@ -64,16 +59,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
 from bench_floor import Floor, Rates, SearchFloor, awq_search_floor, floor_of, transformers_forward
-from bench_under_load import busy_cores
+from bench_under_load import Slowdown, busy_cores, reference_jobs
 from ptq.malloc import keep_freed_memory
-from ptq.openmp import WAIT_VARIABLES
 from vm_steal import largest_share, little_steal, measured_steal
 
 HERE = Path(__file__).resolve()
@@ -320,11 +313,10 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
         print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
         solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
-        passes, passes_floor = quantize - solves, floor.forward + floor.hessians
+        passes, least = quantize - solves, floor.forward + floor.hessians
         print(f"{'':8} by part: the solves {solves:.2f} s against their floor's {floor.solves:.2f} s "
-              f"({solves / floor.solves:.2f}x); the rest, the passes (forward, Hessians, the glue between the "
-              f"Linears, bookkeeping), {passes:.2f} s against the floor's forward and Hessians "
-              f"{passes_floor:.2f} s ({passes / passes_floor:.2f}x)")
+              f"({solves / floor.solves:.2f}x); the rest, the passes (forward, Hessians, glue, bookkeeping), "
+              f"{passes:.2f} s against the floor's forward and Hessians {least:.2f} s ({passes / least:.2f}x)")
         if lax.seconds != floor.seconds:
             print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
                   f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "
@@ -352,30 +344,6 @@ def faster_llmc(results, name: str) -> tuple[str, list[dict]] | None:
     return min(found, key=lambda item: median(item[1], "wall")) if found else None
 
 
-@dataclass
-class Slowdown:
-    """One tool's GPTQ on one model, quiet and beside a busy process per core."""
-
-    dtype: str
-    quiet: float  # median wall seconds
-    loaded: float
-    stolen: str  # the largest CPU share the hypervisor took during one of the runs, quiet or loaded
-    cores: float  # quiet: CPU seconds over wall seconds (all its threads), median
-    cpus: int  # cores of the machine, each with a busy process beside the loaded run
-
-    @property
-    def ratio(self) -> float:
-        return self.loaded / self.quiet
-
-    @property
-    def fair(self) -> float:
-        """The slowdown a fair share of the CPU gives a job that used `cores` quiet: while it
-        runs k threads beside C busy single-thread processes on C cores, the scheduler gives
-        it C·k / (k + C) cores instead of k, 1 + k/C times slower; over the run, 1 + cores/C.
-        One thread: 1.5x on 2 cores; both cores busy all along: 2x."""
-        return 1 + self.cores / self.cpus
-
-
 def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
     """model -> tool -> Slowdown, for each of --load-models."""
     slowdowns = {name: loaded_runs(args, results, name) for name in args.load_models}
@@ -392,44 +360,9 @@ def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
     for threads, run in reference_jobs().items():
         print(f"{'GEMMs':8} {f'{threads} thread(s)':14} {'float32':10} {run.quiet:7.1f} {run.loaded:7.1f} "
               f"{run.ratio:8.2f}x {'':>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
-    print("(GEMMs: a loop of float32 1024 x 1024 matmuls in torch, its default OpenMP wait, on 1 thread and on "
-          "all: what the fair share predicts for a lone thread, and what an op split evenly across threads that "
-          "wait for each other at its end loses beyond it)")
+    print("(GEMMs: float32 1024 x 1024 matmuls in torch on 1 thread and on all: the fair share of a lone "
+          "thread, and what an op split evenly across threads that wait for each other loses beyond it)")
     return slowdowns
-
-
-_GEMM_LOOP = '''
-import sys, time, torch
-torch.set_num_threads(int(sys.argv[1]))
-a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-start, cpu = time.perf_counter(), time.process_time()
-for _ in range(int(sys.argv[2])):
-    a @ b
-print((time.perf_counter() - start), (time.process_time() - cpu))
-'''
-
-
-def reference_jobs(seconds: float = 1.5) -> dict[int, Slowdown]:
-    """threads -> Slowdown of a plain GEMM loop in its own process (python -c, no ptq
-    import, no OpenMP wait variable: libgomp's default spin), quiet and beside a busy process per core, sized to take
-    about `seconds` quiet; on 1 thread and on all the CPUs."""
-    cpus = len(os.sched_getaffinity(0))
-    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}  # not the spin ptq set here
-
-    def timed(threads: int, calls: int) -> tuple[float, float]:
-        out = subprocess.run([sys.executable, "-c", _GEMM_LOOP, str(threads), str(calls)], capture_output=True,
-                             text=True, check=True, env=env).stdout.split()
-        return float(out[0]), float(out[1])
-
-    jobs = {}
-    for threads in sorted({1, cpus}):
-        wall, _ = timed(threads, 20)
-        calls = max(20, round(20 * seconds / max(wall, 1e-3)))
-        quiet, cpu = timed(threads, calls)
-        with busy_cores(cpus):
-            loaded, _ = timed(threads, calls)
-        jobs[threads] = Slowdown("float32", quiet, loaded, "", cpu / quiet, cpus)
-    return jobs
 
 
 def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import ptq.openmp  # its wait variables (the parent's own setting never reaches a child: see `base`)
@@ -71,6 +72,64 @@ def busy_cores(n: int) -> Iterator[None]:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@dataclass
+class Slowdown:
+    """One tool's GPTQ on one model, quiet and beside a busy process per core."""
+
+    dtype: str
+    quiet: float  # median wall seconds
+    loaded: float
+    stolen: str  # the largest CPU share the hypervisor took during one of the runs, quiet or loaded
+    cores: float  # quiet: CPU seconds over wall seconds (all its threads), median
+    cpus: int  # cores of the machine, each with a busy process beside the loaded run
+
+    @property
+    def ratio(self) -> float:
+        return self.loaded / self.quiet
+
+    @property
+    def fair(self) -> float:
+        """The slowdown a fair share of the CPU gives a job that used `cores` quiet: while it
+        runs k threads beside C busy single-thread processes on C cores, the scheduler gives
+        it C·k / (k + C) cores instead of k, 1 + k/C times slower; over the run, 1 + cores/C.
+        One thread: 1.5x on 2 cores; both cores busy all along: 2x."""
+        return 1 + self.cores / self.cpus
+
+
+_GEMM_LOOP = '''
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+start, cpu = time.perf_counter(), time.process_time()
+for _ in range(int(sys.argv[2])):
+    a @ b
+print((time.perf_counter() - start), (time.process_time() - cpu))
+'''
+
+
+def reference_jobs(seconds: float = 1.5) -> dict[int, Slowdown]:
+    """threads -> Slowdown of a plain GEMM loop in its own process (python -c, no ptq
+    import, no OpenMP wait variable: libgomp's default spin), quiet and beside a busy process per core, sized to take
+    about `seconds` quiet; on 1 thread and on all the CPUs."""
+    cpus = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}  # not the settings ptq made here
+
+    def timed(threads: int, calls: int) -> tuple[float, float]:
+        out = subprocess.run([sys.executable, "-c", _GEMM_LOOP, str(threads), str(calls)], capture_output=True,
+                             text=True, check=True, env=env).stdout.split()
+        return float(out[0]), float(out[1])
+
+    jobs = {}
+    for threads in sorted({1, cpus}):
+        wall, _ = timed(threads, 20)
+        calls = max(20, round(20 * seconds / max(wall, 1e-3)))
+        quiet, cpu = timed(threads, calls)
+        with busy_cores(cpus):
+            loaded, _ = timed(threads, calls)
+        jobs[threads] = Slowdown("float32", quiet, loaded, "", cpu / quiet, cpus)
+    return jobs
 
 
 def run(command: list[str], report: Path | None, env: dict[str, str], timeout: float) -> tuple[float, float]:

@@ -14,8 +14,8 @@ import pytest
 from tests.conftest import load_script
 
 
-def _busy_program() -> str:
-    return load_script("bench_under_load").BUSY
+def _busy_program(monkeypatch) -> str:
+    return load_script("bench_under_load", monkeypatch).BUSY  # in sys.modules: its dataclass looks it up
 
 
 def _running(pid: int) -> bool:
@@ -28,12 +28,12 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
-def test_a_busy_process_ends_when_its_parent_is_killed():
+def test_a_busy_process_ends_when_its_parent_is_killed(monkeypatch):
     parent = subprocess.Popen(
         [sys.executable, "-c", "import os, subprocess, sys, time\n"
          "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())])\n"
          "print(child.pid, flush=True)\n"
-         "time.sleep(120)", _busy_program()],
+         "time.sleep(120)", _busy_program(monkeypatch)],
         stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
