@@ -18,6 +18,10 @@ stopped here. Settings, each forced through the environment of the ptq process:
 A run past --timeout counts as that many seconds and shows as ">". With llm-compressor
 importable (here or in --llmc-python's venv) its GPTQ on the same model, bf16, 128 x 512
 calibration tokens, is timed the same way (scripts/llmcompressor_worker.py).
+
+bench_gptq_vs_llmcompressor.py's load phase uses busy_cores too, and from here Slowdown (a
+run's slowdown beside the one a fair share of the CPU gives it) and reference_jobs (a
+plain loop of torch GEMMs on one thread and on all, quiet and loaded).
 """
 
 from __future__ import annotations
