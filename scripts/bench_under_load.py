@@ -80,7 +80,8 @@ def busy_cores(n: int) -> Iterator[None]:
 
 @dataclass
 class Slowdown:
-    """One tool's GPTQ on one model, quiet and beside a busy process per core."""
+    """A job's wall time quiet and beside a busy process per core: a tool's GPTQ on one model
+    (medians), or a reference job."""
 
     dtype: str
     quiet: float  # median wall seconds
@@ -114,9 +115,9 @@ print((time.perf_counter() - start), (time.process_time() - cpu))
 
 
 def reference_jobs(seconds: float = 1.5) -> dict[int, Slowdown]:
-    """threads -> Slowdown of a plain GEMM loop in its own process (python -c, no ptq
-    import, no OpenMP wait variable: libgomp's default spin), quiet and beside a busy process per core, sized to take
-    about `seconds` quiet; on 1 thread and on all the CPUs."""
+    """threads -> Slowdown of a plain GEMM loop in its own process (python -c, no ptq import,
+    no OpenMP wait variable: libgomp's default spin), quiet and beside a busy process per
+    core, sized to take about `seconds` quiet; on 1 thread and on all the CPUs."""
     cpus = len(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}  # not the settings ptq made here
 
