@@ -59,12 +59,6 @@ AVX512 static inline __m512 bf16_values_v(__m256i h) { /* 16 bf16 -> float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-AVX512 static inline __m256i bf16_bits_v(__m512 v) { /* bf16_bits, 16 lanes (quant_math.h's to_bf16_v) */
-    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(v)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* add_rounds with W/16 accumulator vectors held in registers */
 AVX512 static void add_rounds_avx512(float *acc, const uint16_t *x, int64_t i0, int64_t i1, int W) {
     __m512 a[ILP];
@@ -84,8 +78,8 @@ AVX512 static void scaled_row_avx512(const uint16_t *x, const uint16_t *w, int64
     const __m512 s = _mm512_set1_ps(scale);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const __m512 h = bf16_values_v(bf16_bits_v(_mm512_mul_ps(bf16_load_v(x + j), s)));
-        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(bf16_load_v(w + j), h)));
+        const __m512 h = bf16_values_v(bf16_bits_v(_mm512_mul_ps(bf16_load_v(x + j), s), 0x7FC0));
+        _mm256_storeu_si256((__m256i *)(y + j), bf16_bits_v(_mm512_mul_ps(bf16_load_v(w + j), h), 0x7FC0));
     }
     scaled_row(x + j, w + j, n - j, scale, y + j);
 }

@@ -74,6 +74,13 @@ AVX512 static inline __m512 to_bf16_v(__m512 x) {
 AVX512 static inline __m512 bf16_load_v(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+/* 16 float32 rounded to bf16 (to_bf16_v) as their 16 bits, NaN lanes as `nan` (torch's
+   scalar conversion writes 0x7FC0 for a NaN, its vector code 0xFFFF) */
+AVX512 static inline __m256i bf16_bits_v(__m512 x, int nan) {
+    const __m512i rounded = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(x)), 16);
+    const __mmask16 lanes = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, lanes, _mm512_set1_epi32(nan)));
+}
 /* 16 float32 that hold bf16 values (to_bf16_v's) stored at p as bf16 */
 AVX512 static inline void bf16_store_v(uint16_t *p, __m512 x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));

@@ -40,14 +40,6 @@ AVX512 static void abs_over_max_rows(const uint16_t *W, int64_t rows, int64_t co
         }
 }
 
-/* x rounded to bf16 as torch's vectorized conversion rounds float32 (to nearest even; NaN
-   to 0xFFFF, where its scalar one writes 0x7FC0), 16 lanes */
-AVX512 static inline __m256i bf16_bits(__m512 x) {
-    const __m512i rounded = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_v(x)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0xFFFF)));
-}
-
 /* W [rows, cols] (bf16) times f (float32: f[c] per column, or f[r] per row where per_row)
    rounded to bf16 into out (the same shape; may be W); cols a multiple of 16 */
 AVX512 static void scale_rows(const uint16_t *W, int64_t rows, int64_t cols, const float *f, int32_t per_row,
@@ -57,7 +49,8 @@ AVX512 static void scale_rows(const uint16_t *W, int64_t rows, int64_t cols, con
         for (int64_t c = 0; c < cols; c += 16) {
             const __m512 factor = per_row ? row_factor : _mm512_loadu_ps(f + c);
             const __m512 x = _mm512_mul_ps(bf16_load_v(W + r * cols + c), factor);
-            _mm256_storeu_si256((__m256i *)(out + r * cols + c), bf16_bits(x));
+            /* NaN as torch's vectorized conversion writes it */
+            _mm256_storeu_si256((__m256i *)(out + r * cols + c), bf16_bits_v(x, 0xFFFF));
         }
     }
 }
