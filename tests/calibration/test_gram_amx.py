@@ -141,3 +141,34 @@ def test_inputs_and_tiles_held_stay_within_pending_bytes(monkeypatch):
     assert held <= HessianObserver.PENDING_BYTES + 2 * 2 * 28 * 64  # tiles round 100 tokens up to 128
     exact = 2 * x.double().t() @ x.double() / 250
     assert float((observer.value.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("features", [256, 768])
+def test_one_thread_in_cached_pieces_gives_the_split_paths_bits(monkeypatch, features):
+    # up to ONE_THREAD_FEATURES on AMX, one thread sums CACHED_TOKENS tokens at a time; above,
+    # or where monkeypatched off, the threads share each flush whole: every element adds its
+    # tokens' products in token order either way
+    if compiled.gram_kernel() != "AMX":
+        pytest.skip("the one-thread pieces run on AMX tiles only")
+    x = _inputs(2500, features, seed=8)  # a whole flush of 2048 tokens (4 pieces) and a partial one
+
+    def hessian() -> torch.Tensor:
+        observer = HessianObserver()
+        for batch in x.split(700):
+            observer.update(batch)
+        return observer.value
+
+    assert features <= HessianObserver.ONE_THREAD_FEATURES
+    pieces = hessian()
+    monkeypatch.setattr(HessianObserver, "ONE_THREAD_FEATURES", 0)
+    shared = _at_threads(2, hessian)
+    assert torch.equal(pieces, shared)
+    exact = 2 * x.double().t() @ x.double() / 2500
+    assert float((pieces.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
+def _at_threads(threads: int, work):
+    from ptq.devices import cpu_threads
+
+    with cpu_threads(threads):
+        return work()
