@@ -330,7 +330,7 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
 
 
 def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
-                     bounded: bool = False) -> Iterator[R]:
+                     bounded: bool = False, streamed: bool = False) -> Iterator[R]:
     """function(item) for each item, in order, side by side on a CPU (side_by_side), each
     call under torch.no_grad (grad mode is per thread); elsewhere one call after another,
     each result yielded as it comes.
@@ -343,7 +343,13 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     budget). No call then waits for a partner's at a join, which on a busy CPU holds up
     every thread whenever one is descheduled. With more threads a pass, calls run a wave at
     a time: the caller's work between results (cpu_parallel's tasks run on one thread)
-    would change the passes' thread count, and with it their sums, while they run."""
+    would change the passes' thread count, and with it their sums, while they run.
+
+    `streamed` (not bounded): streams so too, with no bound on how far the threads run
+    ahead, for a caller that keeps every result anyway and works on each as it comes:
+    bounded, a thread that finished its call while the caller works on a result stays idle
+    until the caller takes the next one (which also makes the calls wait for the caller's
+    work); all at once, the caller starts its work only after the last call."""
     shared = side_by_side(len(items), device)
     if shared is None:
         on_cpu = torch.device(device).type == "cpu"
@@ -359,9 +365,9 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
             return function(item)
 
     calls = [functools.partial(task, item) for item in items]
-    if bounded and threads_each == 1:
+    if (bounded or streamed) and threads_each == 1:
         with torch_ops_on_one_thread():  # the caller's ops too, as the calls'
-            yield from _Tasks(calls, ahead=in_flight).in_order(in_flight)
+            yield from _Tasks(calls, ahead=in_flight if bounded else None).in_order(in_flight)
         return
     step = in_flight if bounded else len(calls)
     for start in range(0, len(calls), step):

@@ -221,6 +221,32 @@ def test_an_unbounded_map_keeps_both_threads_busy_while_the_caller_runs_a_call()
     assert spans[3][0] < spans[2][1]
 
 
+def test_a_streamed_map_runs_ahead_while_the_caller_works_on_each_result_in_order():
+    # the caller takes call 0's result and works on it for 0.15 s; bounded, the pool thread
+    # (done with call 1) would wait for it before starting call 2; streamed it runs calls 2
+    # and 3 meanwhile, so the whole map takes about the caller's work, not the two in turn
+    import threading
+    import time
+
+    spans, work_done = {}, []
+
+    def call(i):
+        start = time.perf_counter()
+        time.sleep(0.02)
+        spans[i] = start, time.perf_counter(), threading.get_ident()
+
+    with cpu_threads(2):
+        for i in map_side_by_side(lambda i: (call(i), i)[1], range(4), "cpu", streamed=True):
+            if i == 0:
+                time.sleep(0.15)
+            work_done.append((i, time.perf_counter()))
+        assert (torch.get_num_threads(), cpu_budget()) == (2, 2)
+    assert [i for i, _ in work_done] == [0, 1, 2, 3]
+    caller_free = work_done[0][1]
+    assert spans[2][0] < caller_free and spans[3][0] < caller_free  # started while the caller worked
+    assert {spans[i][2] for i in (1, 2, 3)} == {spans[1][2]}  # by the pool thread, one after another
+
+
 def test_a_bounded_map_raises_a_failure_in_its_turn_and_leaves_nothing_running():
     import threading
     import time

@@ -290,7 +290,8 @@ class BlockRun:
         """Where the block computes."""
         return next(self.block.parameters()).device
 
-    def map_batches(self, function: Callable[[int, tuple, dict], T], bounded: bool = True) -> Iterator[T]:
+    def map_batches(self, function: Callable[[int, tuple, dict], T], bounded: bool = True,
+                    streamed: bool = False) -> Iterator[T]:
         """function(index, args, kwargs) of every batch, in order.
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
@@ -301,9 +302,11 @@ class BlockRun:
         Bounded, the calling thread runs a batch itself while its next result is on another
         thread, which, done, cannot start a batch until the caller is back to take that
         result: SmolLM2-shaped blocks of 4 batches on 2 cores ran in 3 waves, not 2, about
-        half the time (a plain pass of the 30 blocks 3.4-4.2 s bounded, 2.7-2.9 s not)."""
+        half the time (a plain pass of the 30 blocks 3.4-4.2 s bounded, 2.7-2.9 s not).
+        streamed (not bounded): the results as they come, the threads never waiting for the
+        caller (devices.map_side_by_side), where the caller keeps them all anyway."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
-                                bounded=bounded)
+                                bounded=bounded, streamed=streamed)
 
     def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
         """[function(item) for item in items], side by side on a CPU as map_batches runs

@@ -283,7 +283,10 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
     """One pass over the batches that observes and records the stage's input, and records
     the outputs of the pending submodules; replays named in last_use are emptied. Batches
     may run side by side (BlockRun.map_batches): what each records is taken batch by batch
-    in order on this thread."""
+    in order on this thread, streamed: the other threads go on with the next batches while
+    this one updates the observer (every input is kept anyway), where bounded they waited
+    for it (alternating runs of the GPTQ job: bundled model 0.495 -> 0.449 s, SmolLM2-shaped
+    5.48 -> 5.42 s, the random model 3.63 -> 3.60 s, medians)."""
     outputs: dict[str, list] = {name: [] for name in pending}
     record = threading.local()  # the calling thread's batch: its stage input, pending outputs
 
@@ -306,7 +309,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
             for name in pending
         ]
         try:
-            for x, outs in run.map_batches(one):
+            for x, outs in run.map_batches(one, bounded=False, streamed=True):
                 for name, out in outs.items():
                     outputs[name].append(_kept(out, run))
                 if x is not None:

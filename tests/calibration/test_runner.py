@@ -197,15 +197,17 @@ def test_a_whole_chunk_is_summed_where_it_is_with_the_same_bits(dtype, monkeypat
 
 
 def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
-    """A pass whose caller keeps every result (the next block's inputs, the sequential
-    engine's final pass) streams unbounded: a thread that comes free takes the next batch
-    (tests/test_devices.py); a pass whose caller sums each result stays bounded."""
+    """A pass whose caller keeps every result runs unbounded: all at once (the next block's
+    inputs, the sequential engine's final pass), or streamed where the caller works on
+    each result as it comes (the sequential engine's stage passes: a thread that comes free
+    takes the next batch while the caller updates the observer; tests/test_devices.py); a
+    pass whose caller sums each result and lets it go stays bounded."""
     modes = []
     original = BlockRun.map_batches
 
-    def recording(self, function, bounded=True):
-        modes.append(bounded)
-        return original(self, function, bounded)
+    def recording(self, function, bounded=True, streamed=False):
+        modes.append("bounded" if bounded else "streamed" if streamed else "all")
+        return original(self, function, bounded, streamed)
 
     monkeypatch.setattr(BlockRun, "map_batches", recording)
     model = tiny_model("llama", dtype=torch.float32)
@@ -216,11 +218,11 @@ def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
         run.collect({"q": run.block.self_attn.q_proj}, HessianObserver)
 
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=1, show_progress=False)
-    assert modes == [True, False] * 2  # per block: collect bounded, outputs not
+    assert modes == ["bounded", "all"] * 2  # per block: collect bounded, outputs all at once
 
     modes.clear()
     quantized = tiny_model("llama", dtype=torch.float32)
     recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 16}, "steps": [{"gptq": {"scheme": "W4A16"}}]})
     ptq.quantize(quantized, recipe, data=ids, show_progress=False)
-    stages = 4  # q/k/v, o, gate/up, down: a bounded pass each, then the final pass
-    assert modes == ([True] * stages + [False]) * 2
+    stages = 4  # q/k/v, o, gate/up, down: a streamed pass each, then the final pass
+    assert modes == (["streamed"] * stages + ["all"]) * 2
