@@ -296,13 +296,14 @@ class BlockRun:
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
         own thread with an equal share of torch's threads), no more of them ahead of the
-        result taken next than threads in flight, which bounds what waits in memory
-        (devices.map_side_by_side, bounded). bounded=False where the caller keeps every
-        result anyway (a list): a thread that comes free then always takes the next batch.
-        Bounded, the calling thread runs a batch itself while its next result is on another
-        thread, which, done, cannot start a batch until the caller is back to take that
-        result: SmolLM2-shaped blocks of 4 batches on 2 cores ran in 3 waves, not 2, about
-        half the time (a plain pass of the 30 blocks 3.4-4.2 s bounded, 2.7-2.9 s not).
+        result taken next than devices.AHEAD times the threads in flight, which bounds what
+        waits in memory (devices.map_side_by_side, bounded). bounded=False where the caller
+        keeps every result anyway (a list): a thread that comes free then always takes the
+        next batch. Bounded by one wave, the calling thread ran a batch itself while its next
+        result was on another thread, which, done, could not start a batch until the caller
+        was back to take that result: SmolLM2-shaped blocks of 4 batches on 2 cores ran in 3
+        waves, not 2, about half the time (a plain pass of the 30 blocks 3.4-4.2 s bounded,
+        2.7-2.9 s not).
         streamed (not bounded): the results as they come, the threads never waiting for the
         caller (devices.map_side_by_side), where the caller keeps them all anyway."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
