@@ -313,11 +313,6 @@ def cpu_parallel(tasks: list[Callable], threads: int, threads_per_task: int = 1)
 
 
 MAX_IN_FLIGHT = 8  # on a CPU, forward passes run side by side at most (side_by_side)
-# a bounded map's calls started ahead of the result the caller takes next, in passes in
-# flight: with one wave's worth, a thread that finished its call while the caller worked on
-# a result waited for the caller; with two it goes on (AWQ's stats passes, alternating
-# runs: bundled model 0.657 -> 0.621 s, SmolLM2-shaped 6.86 -> 6.70 s, medians; three: 0.617)
-AHEAD = 2
 
 
 def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | None:
@@ -335,13 +330,13 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
 
 
 def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
-                     bounded: bool = False, streamed: bool = False) -> Iterator[R]:
+                     bounded: bool = False, streamed: bool = False, waves: int = 1) -> Iterator[R]:
     """function(item) for each item, in order, side by side on a CPU (side_by_side), each
     call under torch.no_grad (grad mode is per thread); elsewhere one call after another,
     each result yielded as it comes.
 
     All at once, or `bounded`: no more calls ahead of the result the caller takes next
-    than AHEAD times the passes in flight, which bounds what waits in memory. With one
+    than `waves` times the passes in flight, which bounds what waits in memory. With one
     torch thread a pass (up to MAX_IN_FLIGHT cores) such a map streams (_Tasks.in_order):
     a thread that is free takes the next call, while the caller works on the results in
     order, its own torch ops on one
@@ -355,7 +350,10 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     ahead, for a caller that keeps every result anyway and works on each as it comes:
     bounded, a thread that finished its call while the caller works on a result stays idle
     until the caller takes the next one (which also makes the calls wait for the caller's
-    work); all at once, the caller starts its work only after the last call."""
+    work); all at once, the caller starts its work only after the last call. Bounded with
+    waves=2, a thread done while the caller works goes on too, within twice the memory (where
+    the caller's work is parallel itself, that costs: the GPTQ job's Hessian passes ran ~2%
+    slower with one more call ahead, on a Zen 5; AWQ's statistics passes gain)."""
     shared = side_by_side(len(items), device)
     if shared is None:
         on_cpu = torch.device(device).type == "cpu"
@@ -373,7 +371,7 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     calls = [functools.partial(task, item) for item in items]
     if (bounded or streamed) and threads_each == 1:
         with torch_ops_on_one_thread():  # the caller's ops too, as the calls'
-            yield from _Tasks(calls, ahead=AHEAD * in_flight if bounded else None).in_order(in_flight)
+            yield from _Tasks(calls, ahead=waves * in_flight if bounded else None).in_order(in_flight)
         return
     step = in_flight if bounded else len(calls)
     for start in range(0, len(calls), step):

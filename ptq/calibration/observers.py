@@ -29,6 +29,12 @@ class Observer:
     def value(self) -> Tensor:
         raise NotImplementedError
 
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        """Whether update() on CPU inputs of this width and dtype runs on the calling thread
+        alone, leaving the other threads free (a pass may then run its next batches while
+        the caller updates: sequential._stage_pass)."""
+        return False
+
 
 class HessianObserver(Observer):
     """H = 2/N · Σ x xᵀ over all N tokens seen: float32 [in, in].
@@ -192,7 +198,7 @@ class HessianObserver(Observer):
             self._tiles = compiled.GramTiles(self._pending.shape[0], n)
         tiles, threads = self._tiles, cpu_budget()
         blocks = n // 16
-        if n <= self.ONE_THREAD_FEATURES and tiles.kernel == "AMX":  # this thread alone, see the docstring
+        if self._one_thread(n):  # this thread alone, see the docstring
             for start in range(0, flat.shape[0], self.CACHED_TOKENS):
                 tiles.load(flat[start:start + self.CACHED_TOKENS])
                 tiles.pack(0, blocks)
@@ -202,6 +208,15 @@ class HessianObserver(Observer):
         cuts = [blocks * t // threads for t in range(threads + 1)]
         cpu_parallel([functools.partial(tiles.pack, a, b) for a, b in zip(cuts, cuts[1:]) if b > a], threads)
         cpu_parallel([functools.partial(tiles.gram_rows, self.sum, a, b) for a, b in zip(edges, edges[1:])], threads)
+
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and features % 32 == 0 and self._one_thread(features)
+
+    @classmethod
+    def _one_thread(cls, features: int) -> bool:
+        """Whether bf16 inputs of this many features (a multiple of 32) are summed on the
+        calling thread alone (_accumulate_tiles)."""
+        return features <= cls.ONE_THREAD_FEATURES and compiled.gram_kernel() == "AMX"
 
     def _add_rows(self, flat: Tensor, a: int, b: int) -> None:
         """The row of blocks [a, b) from the diagonal on: sum[a:b, a:] += flat[:, a:b]ᵀ flat[:, a:]."""
@@ -264,6 +279,9 @@ def _bf16_valued(x: Tensor) -> bool:
 class AbsMaxObserver(Observer):
     """max |x| per input channel: float32 [in]."""
 
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return True  # one pass over the inputs on the calling thread
+
     def __init__(self) -> None:
         self.max: Tensor | None = None
         self._reduced = False
@@ -285,6 +303,9 @@ class AbsMaxObserver(Observer):
 
 class MeanAbsObserver(Observer):
     """mean |x| per input channel: float32 [in]."""
+
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return True  # one pass over the inputs on the calling thread
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
@@ -320,3 +341,6 @@ class Observers(Observer):
     @property
     def value(self) -> dict[str, Tensor]:
         return {name: observer.value for name, observer in self.observers.items()}
+
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return all(observer.updates_alone(features, dtype) for observer in self.observers.values())

@@ -231,6 +231,7 @@ class BlockRun:
         make_observer: Callable[[], Observer],
         stop_at: nn.Module | None = None,
         hooks: Sequence[tuple[nn.Module, Callable[[tuple, dict], None]]] = (),
+        waves: int = 1,
     ) -> dict[str, Observer]:
         """Run every batch through the block and observe the inputs of the given Linears.
 
@@ -239,8 +240,8 @@ class BlockRun:
         that module is about to run (nothing after it is needed). hooks: (module, callback)
         pairs, the callback given the (args, kwargs) of each call of its module (in the
         pairs' order where a module has several). Batches may run side by
-        side (map_batches): what they observe is recorded, and observers and hooks see it
-        batch by batch in order, call by call, on this thread.
+        side (map_batches, bounded to `waves` waves ahead): what they observe is recorded,
+        and observers and hooks see it batch by batch in order, call by call, on this thread.
         """
         observers: dict[str, Observer] = {}
         record = threading.local()  # each thread's pass records its batch's calls
@@ -278,7 +279,7 @@ class BlockRun:
             handles.append(stop_at.register_forward_pre_hook(_raise_stop))
         try:
             with compiled_glue(self.block) if self.device.type == "cpu" else contextlib.nullcontext():
-                for calls in self.map_batches(run):
+                for calls in self.map_batches(run, waves=waves):
                     replay(calls)
         finally:
             for handle in handles:
@@ -291,13 +292,13 @@ class BlockRun:
         return next(self.block.parameters()).device
 
     def map_batches(self, function: Callable[[int, tuple, dict], T], bounded: bool = True,
-                    streamed: bool = False) -> Iterator[T]:
+                    streamed: bool = False, waves: int = 1) -> Iterator[T]:
         """function(index, args, kwargs) of every batch, in order.
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
         own thread with an equal share of torch's threads), no more of them ahead of the
-        result taken next than devices.AHEAD times the threads in flight, which bounds what
-        waits in memory (devices.map_side_by_side, bounded). bounded=False where the caller
+        result taken next than `waves` times the threads in flight, which bounds what waits
+        in memory (devices.map_side_by_side, bounded). bounded=False where the caller
         keeps every result anyway (a list): a thread that comes free then always takes the
         next batch. Bounded by one wave, the calling thread ran a batch itself while its next
         result was on another thread, which, done, could not start a batch until the caller
@@ -307,7 +308,7 @@ class BlockRun:
         streamed (not bounded): the results as they come, the threads never waiting for the
         caller (devices.map_side_by_side), where the caller keeps them all anyway."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
-                                bounded=bounded, streamed=streamed)
+                                bounded=bounded, streamed=streamed, waves=waves)
 
     def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
         """[function(item) for item in items], side by side on a CPU as map_batches runs

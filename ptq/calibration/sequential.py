@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from ptq import cpu_mlp, cpu_rotary
 from ptq.calibration.memo import Batch, Memo, memoized
 from ptq.calibration.observers import Observer
-from ptq.calibration.runner import BlockRun, Inputs, _hidden, _StopForward, _with_hidden, run_until_stopped
+from ptq.calibration.runner import (BlockRun, Inputs, _hidden, _hidden_of, _StopForward, _with_hidden,
+                                   run_until_stopped)
 from ptq.modules import cached_weight
 
 
@@ -283,12 +284,15 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
     """One pass over the batches that observes and records the stage's input, and records
     the outputs of the pending submodules; replays named in last_use are emptied. Batches
     may run side by side (BlockRun.map_batches): what each records is taken batch by batch
-    in order on this thread, streamed: the other threads go on with the next batches while
-    this one updates the observer (every input is kept anyway), where bounded they waited
-    for it (alternating runs of the GPTQ job: bundled model 0.495 -> 0.449 s, SmolLM2-shaped
-    5.48 -> 5.42 s, the random model 3.63 -> 3.60 s, medians)."""
+    in order on this thread. Where the observer updates on this thread alone (AMX tiles,
+    small Hessians) they stream: the other threads go on with the next batches while this
+    one updates (every input is kept anyway), where bounded they waited for it
+    (alternating runs of the GPTQ job: bundled model 0.495 -> 0.449 s, SmolLM2-shaped 5.48
+    -> 5.42 s, medians). Where its updates take every thread (wider inputs, other CPUs),
+    batches running meanwhile would compete with them for the cores: bounded."""
     outputs: dict[str, list] = {name: [] for name in pending}
     record = threading.local()  # the calling thread's batch: its stage input, pending outputs
+    alone = observer.updates_alone(first.in_features, _hidden_of(*run.inputs[0]).dtype)
 
     def take_input(_module, args):
         record.input = args[0]
@@ -309,7 +313,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
             for name in pending
         ]
         try:
-            for x, outs in run.map_batches(one, bounded=False, streamed=True):
+            for x, outs in run.map_batches(one, bounded=not alone, streamed=alone):
                 for name, out in outs.items():
                     outputs[name].append(_kept(out, run))
                 if x is not None:

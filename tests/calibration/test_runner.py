@@ -6,6 +6,7 @@ import transformers
 from torch import nn
 
 import ptq
+from ptq.algorithms import compiled
 from ptq.arch import find_blocks
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import float32_gemms
@@ -205,9 +206,9 @@ def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
     modes = []
     original = BlockRun.map_batches
 
-    def recording(self, function, bounded=True, streamed=False):
-        modes.append("bounded" if bounded else "streamed" if streamed else "all")
-        return original(self, function, bounded, streamed)
+    def recording(self, function, bounded=True, streamed=False, waves=1):
+        modes.append(("bounded" if waves == 1 else f"bounded {waves}") if bounded else "streamed" if streamed else "all")
+        return original(self, function, bounded, streamed, waves)
 
     monkeypatch.setattr(BlockRun, "map_batches", recording)
     model = tiny_model("llama", dtype=torch.float32)
@@ -220,9 +221,19 @@ def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=1, show_progress=False)
     assert modes == ["bounded", "all"] * 2  # per block: collect bounded, outputs all at once
 
-    modes.clear()
-    quantized = tiny_model("llama", dtype=torch.float32)
     recipe = parse_recipe({"calibration": {"samples": 4, "seq_len": 16}, "steps": [{"gptq": {"scheme": "W4A16"}}]})
-    ptq.quantize(quantized, recipe, data=ids, show_progress=False)
-    stages = 4  # q/k/v, o, gate/up, down: a streamed pass each, then the final pass
-    assert modes == (["streamed"] * stages + ["all"]) * 2
+    stages = 4  # q/k/v, o, gate/up, down: a pass each, then the final pass
+    for dtype in (torch.float32, torch.bfloat16):
+        modes.clear()
+        ptq.quantize(tiny_model("llama", dtype=dtype), recipe, data=ids, dtype=dtype, show_progress=False)
+        # streamed where the Hessian's updates leave the other threads free (bf16 on AMX tiles,
+        # 128 and 256 features), else bounded: batches beside them would compete for the cores
+        alone = HessianObserver().updates_alone(128, dtype) and HessianObserver().updates_alone(256, dtype)
+        assert alone == (dtype == torch.bfloat16 and compiled.gram_kernel() == "AMX")
+        assert modes == (["streamed" if alone else "bounded"] * stages + ["all"]) * 2
+
+    modes.clear()  # AWQ's statistics pass: two waves ahead (smoothing.STATISTICS_WAVES)
+    awq = parse_recipe({"calibration": {"samples": 4, "seq_len": 16},
+                        "steps": [{"awq": {"n_grid": 4, "clip": False}}, {"rtn": {"scheme": "W4A16"}}]})
+    ptq.quantize(tiny_model("llama", dtype=torch.float32), awq, data=ids, dtype=torch.float32, show_progress=False)
+    assert modes == ["bounded 2", "all"] * 2
