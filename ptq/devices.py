@@ -339,12 +339,12 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
     than `waves` times the passes in flight, which bounds what waits in memory. With one
     torch thread a pass (up to MAX_IN_FLIGHT cores) such a map streams (_Tasks.in_order):
     a thread that is free takes the next call, while the caller works on the results in
-    order, its own torch ops on one
-    thread as the passes' (torch's count is process-wide; ptq's own threads keep the
-    budget). No call then waits for a partner's at a join, which on a busy CPU holds up
-    every thread whenever one is descheduled. With more threads a pass, calls run a wave at
-    a time: the caller's work between results (cpu_parallel's tasks run on one thread)
-    would change the passes' thread count, and with it their sums, while they run.
+    order, its own torch ops on one thread as the passes' (torch's count is process-wide;
+    ptq's own threads keep the budget). No call then waits for a partner's at a join,
+    which on a busy CPU holds up every thread whenever one is descheduled. With more
+    threads a pass, calls run a wave at a time: the caller's work between results
+    (cpu_parallel's tasks run on one thread) would change the passes' thread count, and
+    with it their sums, while they run.
 
     `streamed` (not bounded): streams so too, with no bound on how far the threads run
     ahead, for a caller that keeps every result anyway and works on each as it comes:

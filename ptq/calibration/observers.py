@@ -279,9 +279,6 @@ def _bf16_valued(x: Tensor) -> bool:
 class AbsMaxObserver(Observer):
     """max |x| per input channel: float32 [in]."""
 
-    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
-        return True  # one pass over the inputs on the calling thread
-
     def __init__(self) -> None:
         self.max: Tensor | None = None
         self._reduced = False
@@ -300,12 +297,12 @@ class AbsMaxObserver(Observer):
             self.max, self._reduced = all_reduce_(self.max, "max"), True
         return self.max
 
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return True  # one pass over the inputs on the calling thread
+
 
 class MeanAbsObserver(Observer):
     """mean |x| per input channel: float32 [in]."""
-
-    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
-        return True  # one pass over the inputs on the calling thread
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
@@ -326,6 +323,9 @@ class MeanAbsObserver(Observer):
         if not self._reduced:
             self.sum, self.tokens, self._reduced = all_reduce_(self.sum), all_reduce_count(self.tokens), True
         return self.sum / self.tokens
+
+    def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
+        return True  # one pass over the inputs on the calling thread
 
 
 class Observers(Observer):

@@ -287,9 +287,11 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
     in order on this thread. Where the observer updates on this thread alone (AMX tiles,
     small Hessians) they stream: the other threads go on with the next batches while this
     one updates (every input is kept anyway), where bounded they waited for it
-    (alternating runs of the GPTQ job: bundled model 0.495 -> 0.449 s, SmolLM2-shaped 5.48
-    -> 5.42 s, medians). Where its updates take every thread (wider inputs, other CPUs),
-    batches running meanwhile would compete with them for the cores: bounded."""
+    (alternating runs of the GPTQ job on a 2-core Xeon: bundled model 0.495 -> 0.449 s,
+    SmolLM2-shaped 5.48 -> 5.42 s, medians). Where its updates take every thread (wider
+    inputs, other CPUs), batches running meanwhile would compete with them for the cores:
+    bounded (SmolLM2's down_proj, 1536 features, streamed too: the same time within the
+    runs' spread)."""
     outputs: dict[str, list] = {name: [] for name in pending}
     record = threading.local()  # the calling thread's batch: its stage input, pending outputs
     alone = observer.updates_alone(first.in_features, _hidden_of(*run.inputs[0]).dtype)
