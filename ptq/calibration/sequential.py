@@ -294,7 +294,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
     runs' spread)."""
     outputs: dict[str, list] = {name: [] for name in pending}
     record = threading.local()  # the calling thread's batch: its stage input, pending outputs
-    alone = observer.updates_alone(first.in_features, _hidden_of(*run.inputs[0]).dtype)
+    alone = bool(run.inputs) and observer.updates_alone(first.in_features, _hidden_of(*run.inputs[0]).dtype)
 
     def take_input(_module, args):
         record.input = args[0]
