@@ -131,10 +131,9 @@ class HessianObserver(Observer):
             self._flush()  # batches of another dtype: summed in their own mode
             self._pending = self._tiles = None
         if self._pending is None:  # copies, not references: a caller may reuse x's memory
-            kernel = compiled.gram_kernel()
-            self._on_tiles = flat.dtype == torch.bfloat16 and flat.shape[1] % 32 == 0 and kernel is not None
+            self._on_tiles = self._takes_tiles(flat.shape[1], flat.dtype)
             # bytes per token held: float32 inputs, or bf16 inputs and their tile layouts (AMX: two)
-            held = (6 if self._on_tiles and kernel == "AMX" else 4) * flat.shape[1]
+            held = (6 if self._on_tiles and compiled.gram_kernel() == "AMX" else 4) * flat.shape[1]
             cap = max(1, min(self.PENDING_TOKENS, self.PENDING_BYTES // held))
             self._pending = torch.empty(cap, flat.shape[1], dtype=torch.bfloat16 if self._on_tiles else torch.float32)
             self._bf16_values = _bf16_valued(flat)
@@ -193,11 +192,9 @@ class HessianObserver(Observer):
         n = flat.shape[1]
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32)
-        edges = self.row_blocks(n, tiles=True)
         if self._tiles is None:  # kept for the next chunks: no fresh pages to fault in each time
             self._tiles = compiled.GramTiles(self._pending.shape[0], n)
-        tiles, threads = self._tiles, cpu_budget()
-        blocks = n // 16
+        tiles, blocks = self._tiles, n // 16
         if self._one_thread(n):  # this thread alone, see the docstring
             for start in range(0, flat.shape[0], self.CACHED_TOKENS):
                 tiles.load(flat[start:start + self.CACHED_TOKENS])
@@ -205,17 +202,23 @@ class HessianObserver(Observer):
                 tiles.gram_rows(self.sum, 0, n)
             return
         tiles.load(flat)
+        threads, edges = cpu_budget(), self.row_blocks(n, tiles=True)
         cuts = [blocks * t // threads for t in range(threads + 1)]
         cpu_parallel([functools.partial(tiles.pack, a, b) for a, b in zip(cuts, cuts[1:]) if b > a], threads)
         cpu_parallel([functools.partial(tiles.gram_rows, self.sum, a, b) for a, b in zip(edges, edges[1:])], threads)
 
     def updates_alone(self, features: int, dtype: torch.dtype) -> bool:
-        return dtype == torch.bfloat16 and features % 32 == 0 and self._one_thread(features)
+        return self._takes_tiles(features, dtype) and self._one_thread(features)
+
+    @staticmethod
+    def _takes_tiles(features: int, dtype: torch.dtype) -> bool:
+        """Whether CPU inputs of this width and dtype are summed by compiled.GramTiles."""
+        return dtype == torch.bfloat16 and features % 32 == 0 and compiled.gram_kernel() is not None
 
     @classmethod
     def _one_thread(cls, features: int) -> bool:
-        """Whether bf16 inputs of this many features (a multiple of 32) are summed on the
-        calling thread alone (_accumulate_tiles)."""
+        """Whether inputs that take the tiles (_takes_tiles) are summed on the calling thread
+        alone (_accumulate_tiles)."""
         return features <= cls.ONE_THREAD_FEATURES and compiled.gram_kernel() == "AMX"
 
     def _add_rows(self, flat: Tensor, a: int, b: int) -> None:
