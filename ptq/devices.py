@@ -330,30 +330,29 @@ def side_by_side(count: int, device: torch.device | str) -> tuple[int, int] | No
 
 
 def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: torch.device | str,
-                     bounded: bool = False, streamed: bool = False, waves: int = 1) -> Iterator[R]:
+                     bounded: bool = False, waves: int | None = 1) -> Iterator[R]:
     """function(item) for each item, in order, side by side on a CPU (side_by_side), each
     call under torch.no_grad (grad mode is per thread); elsewhere one call after another,
     each result yielded as it comes.
 
     All at once, or `bounded`: no more calls ahead of the result the caller takes next
-    than `waves` times the passes in flight, which bounds what waits in memory. With one
-    torch thread a pass (up to MAX_IN_FLIGHT cores) such a map streams (_Tasks.in_order):
-    a thread that is free takes the next call, while the caller works on the results in
-    order, its own torch ops on one thread as the passes' (torch's count is process-wide;
-    ptq's own threads keep the budget). No call then waits for a partner's at a join,
-    which on a busy CPU holds up every thread whenever one is descheduled. With more
+    than `waves` times the passes in flight (None: no bound), which bounds what waits in
+    memory. With one torch thread a pass (up to MAX_IN_FLIGHT cores) such a map streams
+    (_Tasks.in_order): a thread that is free takes the next call, while the caller works on
+    the results in order, its own torch ops on one thread as the passes' (torch's count is
+    process-wide; ptq's own threads keep the budget). No call then waits for a partner's at
+    a join, which on a busy CPU holds up every thread whenever one is descheduled. With more
     threads a pass, calls run a wave at a time: the caller's work between results
     (cpu_parallel's tasks run on one thread) would change the passes' thread count, and
     with it their sums, while they run.
 
-    `streamed` (not bounded): streams so too, with no bound on how far the threads run
-    ahead, for a caller that keeps every result anyway and works on each as it comes:
-    bounded, a thread that finished its call while the caller works on a result stays idle
-    until the caller takes the next one (which also makes the calls wait for the caller's
-    work); all at once, the caller starts its work only after the last call. Bounded with
-    waves=2, a thread done while the caller works goes on too, within twice the memory (where
-    the caller's work is parallel itself, that costs: the GPTQ job's Hessian passes ran ~2%
-    slower with one more call ahead, on a Zen 5; AWQ's statistics passes gain)."""
+    With waves=1 a thread that finished its call while the caller works on a result stays
+    idle until the caller takes the next one (which also makes the calls wait for the
+    caller's work); with 2 it goes on, within twice the memory; with None, for a caller that
+    keeps every result anyway but works on each as it comes, it never waits (all at once,
+    the caller would start its work only after the last call). Where the caller's work is
+    parallel itself, running ahead costs: the GPTQ job's Hessian passes ran ~2% slower with
+    one more call ahead, on a Zen 5; AWQ's statistics passes gain."""
     shared = side_by_side(len(items), device)
     if shared is None:
         on_cpu = torch.device(device).type == "cpu"
@@ -369,9 +368,9 @@ def map_side_by_side(function: Callable[[T], R], items: Sequence[T], device: tor
             return function(item)
 
     calls = [functools.partial(task, item) for item in items]
-    if (bounded or streamed) and threads_each == 1:
+    if bounded and threads_each == 1:
         with torch_ops_on_one_thread():  # the caller's ops too, as the calls'
-            yield from _Tasks(calls, ahead=waves * in_flight if bounded else None).in_order(in_flight)
+            yield from _Tasks(calls, ahead=None if waves is None else waves * in_flight).in_order(in_flight)
         return
     step = in_flight if bounded else len(calls)
     for start in range(0, len(calls), step):

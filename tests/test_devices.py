@@ -239,7 +239,7 @@ def test_a_streamed_map_runs_ahead_while_the_caller_works_on_each_result_in_orde
         spans[i] = start, time.perf_counter(), threading.get_ident()
 
     with cpu_threads(2):
-        for i in map_side_by_side(lambda i: (call(i), i)[1], range(4), "cpu", streamed=True):
+        for i in map_side_by_side(lambda i: (call(i), i)[1], range(4), "cpu", bounded=True, waves=None):
             if i == 0:
                 time.sleep(0.15)
             work_done.append((i, time.perf_counter()))

@@ -292,23 +292,22 @@ class BlockRun:
         return next(self.block.parameters()).device
 
     def map_batches(self, function: Callable[[int, tuple, dict], T], bounded: bool = True,
-                    streamed: bool = False, waves: int = 1) -> Iterator[T]:
+                    waves: int | None = 1) -> Iterator[T]:
         """function(index, args, kwargs) of every batch, in order.
 
         On a CPU batches run side by side (devices.side_by_side: up to 8 at once, each on its
         own thread with an equal share of torch's threads), no more of them ahead of the
-        result taken next than `waves` times the threads in flight, which bounds what waits
-        in memory (devices.map_side_by_side, bounded). bounded=False where the caller
+        result taken next than `waves` times the threads in flight (None: no bound, where
+        the caller keeps every result but works on each as it comes), which bounds what
+        waits in memory (devices.map_side_by_side, bounded). bounded=False where the caller
         keeps every result anyway (a list): a thread that comes free then always takes the
         next batch. Bounded by one wave, the calling thread ran a batch itself while its next
         result was on another thread, which, done, could not start a batch until the caller
         was back to take that result: SmolLM2-shaped blocks of 4 batches on 2 cores ran in 3
         waves, not 2, about half the time (a plain pass of the 30 blocks 3.4-4.2 s bounded,
-        2.7-2.9 s not).
-        streamed (not bounded): the results as they come, the threads never waiting for the
-        caller (devices.map_side_by_side), where the caller keeps them all anyway."""
+        2.7-2.9 s not)."""
         return map_side_by_side(lambda i: function(i, *self.inputs[i]), range(len(self.inputs)), self.device,
-                                bounded=bounded, streamed=streamed, waves=waves)
+                                bounded=bounded, waves=waves)
 
     def map_items(self, function: Callable[[S], T], items: Sequence[S]) -> list[T]:
         """[function(item) for item in items], side by side on a CPU as map_batches runs

@@ -315,7 +315,7 @@ def _stage_pass(run, first: nn.Module, replays, pending, batch, observer, record
             for name in pending
         ]
         try:
-            for x, outs in run.map_batches(one, bounded=not alone, streamed=alone):
+            for x, outs in run.map_batches(one, waves=None if alone else 1):
                 for name, out in outs.items():
                     outputs[name].append(_kept(out, run))
                 if x is not None:

@@ -206,9 +206,10 @@ def test_the_passes_that_keep_every_output_run_unbounded(monkeypatch):
     modes = []
     original = BlockRun.map_batches
 
-    def recording(self, function, bounded=True, streamed=False, waves=1):
-        modes.append(("bounded" if waves == 1 else f"bounded {waves}") if bounded else "streamed" if streamed else "all")
-        return original(self, function, bounded, streamed, waves)
+    def recording(self, function, bounded=True, waves=1):
+        modes.append(("streamed" if waves is None else "bounded" if waves == 1 else f"bounded {waves}")
+                     if bounded else "all")
+        return original(self, function, bounded, waves)
 
     monkeypatch.setattr(BlockRun, "map_batches", recording)
     model = tiny_model("llama", dtype=torch.float32)
