@@ -38,8 +38,9 @@ Phases, each printing a table:
    gives a job as busy as the tool was quiet (bench_under_load.Slowdown.fair) and the ratio
    of the two, and the same for a plain loop of torch GEMMs on one thread and on all
    (bench_under_load.reference_jobs: what a lone thread and an evenly split op lose).
-Then each goal of issue 15 with its measured ratio, met or not met. On a VM each timed run
-records the share of the CPU the hypervisor took from it (steal: scripts/vm_steal.py), the
+Then each goal of issue 15 with its measured ratio, met or not met, and whether every ptq
+run of a case (quiet and loaded) saved the same bits (scripts/bench_bits.py). On a VM each
+timed run records the share of the CPU the hypervisor took from it (steal: scripts/vm_steal.py), the
 tables the largest of a row's runs (`stolen`); a timed run that lost more than --max-steal
 is run again, up to --steal-retries times: the goals are a quiet machine's.
 
@@ -64,6 +65,7 @@ from pathlib import Path
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
+from bench_bits import bits_rows, perplexity, state_digest
 from bench_floor import Floor, Rates, SearchFloor, awq_search_floor, floor_of, transformers_forward
 from bench_under_load import Slowdown, busy_cores, reference_jobs
 from ptq.malloc import keep_freed_memory
@@ -149,8 +151,8 @@ def ptq_worker(method: str, model_path: str, ids_path: str, out: str, group_size
     recipe = ptq_recipe(method, ids.shape[0], ids.shape[1], group_size, options)
     ptq.quantize(model, recipe, tokenizer=tokenizer, data=ids, show_progress=False)
     ptq.save(model, out, tokenizer=tokenizer, overwrite=True)
-    report = model.ptq_report
-    return {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu_start,
+    report, wall, cpu = model.ptq_report, time.perf_counter() - start, time.process_time() - cpu_start
+    return {"wall": wall, "cpu": cpu, "digest": state_digest(model),
             "quantize": report.seconds, "gptq": report.timings.get("GPTQ solves", 0.0),
             "awq": report.timings.get("awq search", 0.0),
             "awq_statistics": report.timings.get("awq statistics", 0.0),
@@ -165,6 +167,8 @@ def run_worker(args, tool: str, method: str, name: str, dtype: str, timeout: flo
     once = functools.partial(_worker_once, args, tool, method, name, dtype, timeout)
     result, redone = little_steal(once, args.max_steal, args.steal_retries)
     args.redone += redone
+    if "digest" in result:  # ptq's: every run of a case must give the same bits (bench_bits)
+        args.digests.setdefault((name, method), []).append(result["digest"])
     return result
 
 
@@ -194,14 +198,6 @@ def _worker_once(args, tool: str, method: str, name: str, dtype: str, timeout: f
     found = json.loads(result.stdout.strip().splitlines()[-1])
     found.update(out=str(out), stolen=steal.share)  # the CPU share the hypervisor took meanwhile (vm_steal)
     return found
-
-
-def perplexity(path: str) -> float:
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    windows = ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
-    return ptq.evaluate(ptq.load(path), windows, show_progress=False).perplexity
 
 
 def timed_runs(args, cases: list[tuple[str, str, str, str]]) -> dict[tuple, list[dict]]:
@@ -421,6 +417,7 @@ def goals(args, results, floor_ratios, slowdowns) -> None:
             theirs = tools["llmcompressor"].ratio
             rows.append((f"slowdown under load <= llm-compressor's, {name}", f"{mine:.2f}x vs {theirs:.2f}x",
                          mine <= theirs))
+    rows += bits_rows(args.digests)
     print("\nGoals (issue 15)")
     for goal, measured, met in rows:
         print(f"{goal:62} {measured:>24}  {'met' if met else 'NOT MET'}")
@@ -473,7 +470,7 @@ def main() -> None:
         os.environ[NO_FAST_BF16] = "1"
         slow_bf16_if_asked()
     keep_freed_memory()  # the transformers forward beside the floor runs here, as ptq's workers do
-    start, args.redone = time.perf_counter(), 0
+    start, args.redone, args.digests = time.perf_counter(), 0, {}
     print(f"{os.cpu_count()} CPUs; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     args.tokens = parse_tokens(args.tokens)
     args.awq_models = [m for m in args.awq_models if m in args.models]

@@ -1,0 +1,45 @@
+"""What the benchmark's runs produced, beside how fast: the checkpoint's bits and perplexity.
+
+ptq promises the same bits for the same inputs whatever the thread count or timing (its
+CPU work is split so that no sum depends on which thread finishes first), so every run of
+a case, quiet or beside busy processes, must give one digest; a case with more than one is
+a reproducibility bug, reported as a goal not met. Used by scripts/bench_gptq_vs_llmcompressor.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+import ptq
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """The first 12 hex digits of a SHA-256 over the model's state dict: names, dtypes,
+    shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()[:12]
+
+
+def perplexity(path: str) -> float:
+    """Perplexity of the checkpoint at path on the bundled held-out text (64 windows of 512)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    windows = ptq.eval_windows(tokenizer, seq_len=512, max_windows=64)
+    return ptq.evaluate(ptq.load(path), windows, show_progress=False).perplexity
+
+
+def bits_rows(digests: dict[tuple[str, str], list[str]]) -> list[tuple[str, str, bool]]:
+    """One goal row per (model, method) of ptq's runs: the same digest in every run."""
+    rows = []
+    for (name, method), found in digests.items():
+        distinct = sorted(set(found), key=found.index)
+        measured = f"{len(found)} runs: {', '.join(distinct)}" if len(distinct) > 1 else f"{len(found)} runs, {distinct[0]}"
+        rows.append((f"ptq {method}: the same bits in every run, {name}", measured, len(distinct) == 1))
+    return rows
