@@ -150,15 +150,29 @@ def awq_search(
     (1 + 2·n_grid candidates). The first smallest loss wins (s = 1 on a tie). Non-finite
     losses (an fp16 overflow in the module) never win; PtqError if no loss is finite.
     """
+    scales, labels = awq_grid(x_mean, weights, args=args, n_grid=n_grid, duo_scaling=duo_scaling)
+    return awq_choice(scales, labels, loss(scales))
+
+
+@torch.no_grad()
+def awq_grid(
+    x_mean: Tensor, weights: Sequence[Tensor], *, args: QuantArgs, n_grid: int = 20,
+    duo_scaling: bool | Literal["both"] = True,
+) -> tuple[Tensor, list[tuple[float | None, bool]]]:
+    """awq_search's candidates: scales [candidates, in] and (ratio, duo) of each
+    (grid_candidates, from the weights' w̄)."""
     if n_grid < 1:
         raise ValueError(f"n_grid must be at least 1, got {n_grid}")
     x_mean = x_mean.detach().float().clamp(min=0)  # [in]
     w_mean = weight_mean(weights, args).to(x_mean.device)  # [in]
     if w_mean.shape != x_mean.shape:
         raise ValueError(f"x_mean has {x_mean.numel()} channels, the weights have {w_mean.numel()} columns")
+    return grid_candidates(x_mean, w_mean, n_grid, duo_scaling)  # [candidates, in]
 
-    scales, labels = grid_candidates(x_mean, w_mean, n_grid, duo_scaling)  # [candidates, in]
-    sums = loss(scales).double()  # [candidates + 1]
+
+def awq_choice(scales: Tensor, labels: list[tuple[float | None, bool]], sums: Tensor) -> AWQResult:
+    """awq_search's pick from the candidates' loss sums [candidates + 1] (LossSums)."""
+    sums = sums.double()  # [candidates + 1]
     mse = sums[:-1] / max(float(sums[-1]), 1.0)  # [candidates]
     mse = torch.where(torch.isfinite(mse), mse, torch.full_like(mse, float("inf")))
     best = int(torch.argmin(mse))  # the first of equal minima
@@ -199,7 +213,7 @@ def _chunks(scales: Tensor, weight_elements: int) -> tuple[Tensor, ...]:
 
 
 def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, args: QuantArgs,
-                     scale_dtype: torch.dtype = torch.float32) -> LossSums:
+                     scale_dtype: torch.dtype = torch.float32) -> LinearLoss:
     """Loss sums of balance Linears that read one input, each inspected by itself (o_proj,
     down_proj; or every mapping with AWQStep.loss "linear"), summed over them: from their
     input's Gram matrix gram = Σ x xᵀ [in, in] (float32, over `tokens` tokens).
@@ -262,15 +276,38 @@ def make_linear_loss(weights: Sequence[Tensor], gram: Tensor, tokens: int, *, ar
             sums += products.flatten(1).sum(dim=1, dtype=torch.float64)
         return sums.tolist()
 
-    @torch.no_grad()
-    def loss(scales: Tensor) -> Tensor:
-        s = scales.to(device=device, dtype=torch.float32).contiguous()
-        tasks = [functools.partial(squared_errors, part) for part in s.split(max(1, TASK_ELEMENTS // W32.numel()))]
-        sums = cpu_parallel(tasks, cpu_budget()) if device.type == "cpu" else [t() for t in tasks]
-        sums = [value for part in sums for value in part]
-        return torch.tensor(sums + [float(tokens * out_features)], dtype=torch.float64, device=device).float()
+    return LinearLoss(squared_errors, max(1, TASK_ELEMENTS // W32.numel()), tokens * out_features, device,
+                      out_features * in_features * in_features)
 
-    return loss
+
+class LinearLoss:
+    """make_linear_loss's loss sums (a LossSums: loss(scales)), also as their tasks: tasks(scales)
+    gives the candidates' squared-error sums in independent tasks of a few candidates each,
+    each task's work on the thread that runs it, and sums(results) the loss sums from their
+    results in order. Candidates go to tasks alike however the tasks are run: the same bits
+    from a search's own threads (loss(scales)) and from a block's tasks of every mapping
+    together (ptq.smoothing runs the tasks of independent searches that way, the costliest
+    first, so that no thread waits while another has a mapping's candidates left)."""
+
+    def __init__(self, squared_errors: Callable[[Tensor], list[float]], per_task: int, elements: int,
+                 device: torch.device, cost: int):
+        self._squared_errors, self._per_task, self._elements = squared_errors, per_task, elements
+        self.device = device
+        self.task_cost = cost * per_task  # multiply-adds of a whole task (cost: one candidate's), to order tasks
+
+    def tasks(self, scales: Tensor) -> list[Callable[[], list[float]]]:
+        s = scales.to(device=self.device, dtype=torch.float32).contiguous()  # [candidates, in]
+        return [functools.partial(self._squared_errors, part) for part in s.split(self._per_task)]
+
+    def sums(self, results: list[list[float]]) -> Tensor:
+        sums = [value for part in results for value in part]
+        return torch.tensor(sums + [float(self._elements)], dtype=torch.float64, device=self.device).float()
+
+    @torch.no_grad()
+    def __call__(self, scales: Tensor) -> Tensor:
+        tasks = self.tasks(scales)
+        on_cpu = self.device.type == "cpu"
+        return self.sums(cpu_parallel(tasks, cpu_budget()) if on_cpu else [task() for task in tasks])
 
 
 def _upper_blocks(G: Tensor, columns: int) -> list[tuple[int, int, Tensor]]:

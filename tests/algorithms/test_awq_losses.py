@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ptq
+from ptq.algorithms import awq
 from ptq.algorithms.awq import (
     awq_search,
     candidate_weights,
@@ -94,6 +95,21 @@ def test_gram_loss_has_the_same_bits_for_every_thread_count():
         with cpu_threads(threads):
             results.append(loss(scales))
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_gram_loss_tasks_run_in_any_order_give_its_sums(monkeypatch):
+    """LinearLoss.tasks run in reverse on this thread (as ptq.smoothing runs a block's tasks,
+    costliest first, on whichever thread is free), their results regrouped: loss(scales)'s bits."""
+    linear, X = _problem(2)
+    scales = _candidates(linear, X)
+    gram, tokens = _gram(X)
+    monkeypatch.setattr(awq, "TASK_ELEMENTS", 4 * linear.weight.numel())  # 4 candidates a task
+    loss = make_linear_loss([linear.weight], gram, tokens, args=W4G32)
+    tasks = loss.tasks(scales)
+    assert [len(task()) for task in tasks] == [4, 4, 4, 4, 4, 1]
+    backwards = {j: tasks[j]() for j in reversed(range(len(tasks)))}
+    assert torch.equal(loss.sums([backwards[j] for j in range(len(tasks))]), loss(scales))
+    assert loss.task_cost > 0
 
 
 # --- the search: the same ratios as one candidate at a time -----------------------------
