@@ -3,7 +3,8 @@
 ptq promises the same bits for the same inputs whatever the thread count or timing (its
 CPU work is split so that no sum depends on which thread finishes first), so every run of
 a case, quiet or beside busy processes, must give one digest; a case with more than one is
-a reproducibility bug, reported as a goal not met. Used by scripts/bench_gptq_vs_llmcompressor.py.
+a reproducibility bug, reported as a goal not met. Used by
+scripts/bench_gptq_vs_llmcompressor.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def bits_rows(digests: dict[tuple[str, str], list[str]]) -> list[tuple[str, str,
     rows = []
     for (name, method), found in digests.items():
         distinct = sorted(set(found), key=found.index)
-        measured = f"{len(found)} runs: {', '.join(distinct)}" if len(distinct) > 1 else f"{len(found)} runs, {distinct[0]}"
+        shown = f": {', '.join(distinct)}" if len(distinct) > 1 else f", {distinct[0]}"
+        measured = f"{len(found)} runs{shown}"
         rows.append((f"ptq {method}: the same bits in every run, {name}", measured, len(distinct) == 1))
     return rows
