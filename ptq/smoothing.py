@@ -30,6 +30,7 @@ from ptq.algorithms.awq import (
     awq_search,
     make_linear_loss,
     make_module_loss,
+    run_tasks,
 )
 from ptq.algorithms.smoothquant import apply_smoothing_, smoothquant_scales
 from ptq.arch import ResolvedMapping, block_mappings
@@ -170,12 +171,14 @@ def _independent_searches(searches: list[tuple[ResolvedMapping, Tensor, Callable
         loss = make()
         return scales, labels, loss, loss.tasks(scales)
 
+    if not searches:
+        return []
     prepared = cpu_parallel([functools.partial(prepare, *search) for search in searches], cpu_budget())
-    work = [(k, j) for k, (_, _, _, tasks) in enumerate(prepared) for j in range(len(tasks))]  # (mapping, task)
-    work.sort(key=lambda kj: -prepared[kj[0]][2].task_cost)  # the costliest first, ties in order
-    tasks = [prepared[k][3][j] for k, j in work]
-    on_cpu = all(loss.device.type == "cpu" for _, _, loss, _ in prepared)
-    done = dict(zip(work, cpu_parallel(tasks, cpu_budget()) if on_cpu else [task() for task in tasks]))
+    # (cost, mapping, its task's index, task), the costliest first, ties in order
+    work = sorted(((loss.task_cost, k, j, task) for k, (_, _, loss, tasks) in enumerate(prepared)
+                   for j, task in enumerate(tasks)), key=lambda w: -w[0])
+    results = run_tasks([task for *_, task in work], prepared[0][2].device)
+    done = {(k, j): result for (_, k, j, _), result in zip(work, results)}
     return [awq_choice(scales, labels, loss.sums([done[(k, j)] for j in range(len(tasks))]))
             for k, (scales, labels, loss, tasks) in enumerate(prepared)]
 

@@ -305,9 +305,13 @@ class LinearLoss:
 
     @torch.no_grad()
     def __call__(self, scales: Tensor) -> Tensor:
-        tasks = self.tasks(scales)
-        on_cpu = self.device.type == "cpu"
-        return self.sums(cpu_parallel(tasks, cpu_budget()) if on_cpu else [task() for task in tasks])
+        return self.sums(run_tasks(self.tasks(scales), self.device))
+
+
+def run_tasks(tasks: list[Callable[[], list[float]]], device: torch.device) -> list[list[float]]:
+    """Gram-loss tasks' results in order: on the CPU's threads (each task's work on one), on
+    an accelerator one after another."""
+    return cpu_parallel(tasks, cpu_budget()) if device.type == "cpu" else [task() for task in tasks]
 
 
 def _upper_blocks(G: Tensor, columns: int) -> list[tuple[int, int, Tensor]]:

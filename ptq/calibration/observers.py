@@ -192,10 +192,12 @@ class HessianObserver(Observer):
         n = flat.shape[1]
         if self.sum is None:
             self.sum = torch.zeros(n, n, dtype=torch.float32)
+        one_thread = self._one_thread(n)  # this thread alone, see the docstring
         if self._tiles is None:  # kept for the next chunks: no fresh pages to fault in each time
-            self._tiles = compiled.GramTiles(self._pending.shape[0], n)
+            capacity = self._pending.shape[0]
+            self._tiles = compiled.GramTiles(min(capacity, self.CACHED_TOKENS) if one_thread else capacity, n)
         tiles, blocks = self._tiles, n // 16
-        if self._one_thread(n):  # this thread alone, see the docstring
+        if one_thread:
             for start in range(0, flat.shape[0], self.CACHED_TOKENS):
                 tiles.load(flat[start:start + self.CACHED_TOKENS])
                 tiles.pack(0, blocks)

@@ -10,6 +10,7 @@ import torch
 
 from ptq.algorithms import compiled
 from ptq.calibration.observers import HessianObserver
+from ptq.devices import cpu_threads
 
 pytestmark = pytest.mark.skipif(compiled.gram_kernel() is None,
                                 reason="this CPU (or its OS) has neither AMX tiles nor AVX512-BF16")
@@ -161,14 +162,8 @@ def test_one_thread_in_cached_pieces_gives_the_split_paths_bits(monkeypatch, fea
     assert features <= HessianObserver.ONE_THREAD_FEATURES
     pieces = hessian()
     monkeypatch.setattr(HessianObserver, "ONE_THREAD_FEATURES", 0)
-    shared = _at_threads(2, hessian)
+    with cpu_threads(2):
+        shared = hessian()
     assert torch.equal(pieces, shared)
     exact = 2 * x.double().t() @ x.double() / 2500
     assert float((pieces.double() - exact).abs().max() / exact.abs().max()) < 1e-6
-
-
-def _at_threads(threads: int, work):
-    from ptq.devices import cpu_threads
-
-    with cpu_threads(threads):
-        return work()
