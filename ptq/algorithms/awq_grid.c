@@ -10,17 +10,23 @@
    is formed by the compiler.
 
    On a CPU with AVX-512, groups of a multiple of 16 columns take a vector path with the
-   same bits (candidate_rows_avx512): each row's ranges first, then its parameters, then its
-   candidates, so that no group waits on the one before; and each division by the group
-   scale or by s done as a multiplication by the reciprocal and one exact correction
-   (Markstein's: q = a·y, then q + (a - q·b)·y with y = 1/b rounded to nearest and the
-   residual exact by one fused multiply-add; rounded to nearest, that is a/b rounded to
-   nearest while dividend, residual and quotient stay in the normal range). Where they may
+   same bits (candidate_rows_avx512): the ranges of 16 rows' groups first, reduced and made
+   parameters 16 at a time (one row a lane), then each row's candidates, so that no group
+   waits on the one before, in loops of their own for the common dtypes (no test on the
+   dtypes per 16 weights); and each division by the group scale or by s done as a
+   multiplication by the reciprocal and one exact correction (Markstein's: q = a·y, then
+   q + (a - q·b)·y with y = 1/b rounded to nearest and the residual exact by one fused
+   multiply-add; rounded to nearest, that is a/b rounded to nearest while dividend,
+   residual and quotient stay in the normal range). Where they may
    not (values beyond SAFE, scales or quotients below SMALLEST), it divides, or runs the
    row the portable way. Checked bit for bit against the portable loop on 849M random
-   weights (tests/algorithms/test_awq_compiled.py checks edge values). */
+   weights (tests/algorithms/test_awq_compiled.py checks edge values), and the blocks of
+   16 rows against the one-row-at-a-time loop before them on 800 random cases (rows not a
+   multiple of 16, every dtype, scheme and path, infinities, NaN and subnormals). */
 
 #include "quant_math.h"
+
+enum { BLOCK = 16 }; /* rows whose ranges and parameters are found together, one per lane */
 
 /* x = w·s over one group, and its min and max. Finite math lets min and max vectorize; they
    are exact, so the order they run in changes nothing (but the sign of a zero range end,
@@ -157,53 +163,76 @@ static const float SAFE = 0x1p100f; /* reciprocals of values within [1/SAFE, SAF
    residual and its product with the reciprocal stay normal) */
 static const float SMALLEST = 0x1p-90f;
 
-/* One row's candidates, 16 columns at a time, from its groups' parameters (scale, zero: one
-   float each per group). bound: no quotient of a group whose scale is at least this can fall
-   below SMALLEST (its candidates are 0 or at least scale / max(s)). A symmetric scheme's
-   zero is 0, and adding and taking it away changes no bit here (the rounded value is never
-   -0), so it is left out. TO_BF16 rounds values that are zero or normal to bf16; STORE_BF16
-   stores them as bf16 (x exact in bf16, or zero or normal); both take the slow way (lanes
-   tiny or odd) where a lane may not be: see the callers. */
+/* columns [m0, m1) of one row's candidates (CANDIDATES_OF_ROW's variables in scope); the
+   other arguments as CANDIDATES_OF_ROW's, or constants for the compiler to fold */
+#define CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, DIVIDE, MAY_BE_TINY, SCALE_KIND, ASYM, WEIGHT_KIND, DELTA,      \
+                       OUT_KIND)                                                                                  \
+    do {                                                                                                         \
+    for (int64_t m = m0; m < m1; m += 16) {                                                                      \
+        const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);                                  \
+        /* else the dividends are above SMALLEST, or their quotients below 1/2 (0 once rounded,                  \
+           however inexact) */                                                                                    \
+        const __m512 x = _mm512_mul_ps(wv, sv);                                                                  \
+        const __m512 q = (DIVIDE) ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);                                 \
+        const __m512 t = (ASYM) ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)           \
+                                : round_clamp_v(q, vqmin, vqmax);                                                 \
+        /* 0, or at least the scale: normal (the scale dtype's smallest normal at least) */                       \
+        const __m512 p = _mm512_mul_ps(t, sc);                                                                   \
+        const __m512 a = (SCALE_KIND) == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, (SCALE_KIND));            \
+        __m512 c = (DIVIDE) ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));                  \
+        __mmask16 odd = ODD(wv);                                                                                 \
+        if (MAY_BE_TINY) {                                                                                       \
+            const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(c), smallest, _CMP_LT_OQ) &                  \
+                                   _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);                       \
+            if (tiny) /* the quotient too: divide */                                                             \
+                c = _mm512_mask_div_ps(c, tiny, a, sv);                                                          \
+            odd |= tiny;                                                                                         \
+        }                                                                                                        \
+        c = (WEIGHT_KIND) == SCALE_BF16 && !odd ? TO_BF16(c) : to_scale_dtype_v(c, (WEIGHT_KIND));               \
+        if (DELTA)                                                                                               \
+            c = _mm512_sub_ps(c, wv);                                                                            \
+        if ((OUT_KIND) == SCALE_BF16 && !odd)                                                                    \
+            STORE_BF16(c, o, m);                                                                                 \
+        else                                                                                                     \
+            store_v(c, o, m, (OUT_KIND));                                                                        \
+    }                                                                                                            \
+    } while (0)
+
+/* One row's candidates, 16 columns at a time, from its groups' parameters (scale, zero and
+   1/scale: group g's at [g * BLOCK], the rows of a block interleaved). bound: no quotient
+   of a group whose scale is at least this can fall below SMALLEST (its candidates are 0 or
+   at least scale / max(s)). A symmetric scheme's zero is 0, and adding and taking it away
+   changes no bit here (the rounded value is never -0), so it is left out. TO_BF16 rounds
+   values that are zero or normal to bf16; STORE_BF16 stores them as bf16 (x exact in bf16,
+   or zero or normal); both take the slow way (lanes tiny or odd) where a lane may not be:
+   see the callers. */
 #define CANDIDATES_OF_ROW(name, TARGET, TO_BF16, STORE_BF16, ODD)                                               \
     TARGET static void name(const float *w, const float *s, const float *rs, int64_t groups, int64_t size,       \
-                            const float *scale, const float *zero, float bound, int32_t scale_kind, float qmin,  \
-                            float qmax, int32_t asym, int32_t weight_kind, int32_t delta, int32_t out_kind,       \
-                            void *o) {                                                                            \
+                            const float *scale, const float *zero, const float *rscale, float bound,             \
+                            int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,        \
+                            int32_t delta, int32_t out_kind, void *o) {                                           \
         const __m512 vqmin = _mm512_set1_ps(qmin), vqmax = _mm512_set1_ps(qmax);                                \
         const __m512 smallest = _mm512_set1_ps(SMALLEST);                                                        \
+        const int bf16 = scale_kind == SCALE_BF16 && weight_kind == SCALE_BF16 && out_kind == SCALE_BF16;       \
         for (int64_t g = 0; g < groups; g++) {                                                                   \
-            const __m512 sc = _mm512_set1_ps(scale[g]), zr = _mm512_set1_ps(zero[g]);                           \
-            const __m512 rsc = _mm512_set1_ps(1.0f / scale[g]);                                                 \
+            const float sg = scale[g * BLOCK];                                                                   \
+            const __m512 sc = _mm512_set1_ps(sg), zr = _mm512_set1_ps(zero[g * BLOCK]);                          \
+            const __m512 rsc = _mm512_set1_ps(rscale[g * BLOCK]);                                                \
+            const int64_t m0 = g * size, m1 = m0 + size;                                                         \
             /* a scale this small would leave the corrections' residuals inexact: divide */                     \
-            const int divide = scale[g] < SMALLEST, may_be_tiny = divide || !(scale[g] >= bound);                \
-            for (int64_t m = g * size; m < (g + 1) * size; m += 16) {                                           \
-                const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);                          \
-                /* else the dividends are above SMALLEST, or their quotients below 1/2 (0                        \
-                   once rounded, however inexact) */                                                              \
-                const __m512 x = _mm512_mul_ps(wv, sv);                                                          \
-                const __m512 q = divide ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);                           \
-                const __m512 t = asym ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)     \
-                                      : round_clamp_v(q, vqmin, vqmax);                                           \
-                /* 0, or at least the scale: normal (the scale dtype's smallest normal at least) */               \
-                const __m512 p = _mm512_mul_ps(t, sc);                                                           \
-                const __m512 a = scale_kind == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, scale_kind);        \
-                __m512 c = divide ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));            \
-                __mmask16 odd = ODD(wv);                                                                         \
-                if (may_be_tiny) {                                                                               \
-                    const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(c), smallest, _CMP_LT_OQ) &          \
-                                           _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);               \
-                    if (tiny) /* the quotient too: divide */                                                     \
-                        c = _mm512_mask_div_ps(c, tiny, a, sv);                                                  \
-                    odd |= tiny;                                                                                 \
-                }                                                                                                \
-                c = weight_kind == SCALE_BF16 && !odd ? TO_BF16(c) : to_scale_dtype_v(c, weight_kind);           \
-                if (delta)                                                                                       \
-                    c = _mm512_sub_ps(c, wv);                                                                    \
-                if (out_kind == SCALE_BF16 && !odd)                                                              \
-                    STORE_BF16(c, o, m);                                                                         \
-                else                                                                                             \
-                    store_v(c, o, m, out_kind);                                                                  \
-            }                                                                                                    \
+            const int divide = sg < SMALLEST, may_be_tiny = divide || !(sg >= bound);                            \
+            /* the common cases as loops of their own, with no test in them but for odd lanes */                 \
+            if (bf16 && !may_be_tiny && asym && delta)                                                           \
+                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 1, SCALE_BF16);       \
+            else if (bf16 && !may_be_tiny && asym)                                                               \
+                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 0, SCALE_BF16);       \
+            else if (bf16 && !may_be_tiny && delta)                                                              \
+                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 1, SCALE_BF16);       \
+            else if (bf16 && !may_be_tiny)                                                                       \
+                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 0, SCALE_BF16);       \
+            else                                                                                                 \
+                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, divide, may_be_tiny, scale_kind, asym, weight_kind,     \
+                               delta, out_kind);                                                                 \
         }                                                                                                        \
     }
 
@@ -247,48 +276,108 @@ BF16_TARGET static inline __mmask16 subnormal(__m512 w) {
 
 CANDIDATES_OF_ROW(candidates_of_row_bf16, BF16_TARGET, to_bf16_cvt, store_bf16_cvt, subnormal)
 
+/* lane i of the result: op over the 16 lanes of v[4 (i % 4) + i / 4] (ROW_SLOT), in four
+   rounds that each fold pairs of vectors into one: 30 shuffles and 15 ops for 16 rows, where
+   one reduction per row takes 8 each. min and max are exact, so the order changes nothing but
+   a zero's sign (see scaled_range). */
+#define REDUCE16(name, OP)                                                                                      \
+    AVX512 static inline __m512 name(const __m512 v[16]) {                                                      \
+        __m512 a[8], b[4], c[2];                                                                                 \
+        for (int k = 0; k < 8; k++) /* halves: 128-bit lanes [v0 | v2] and [v1 | v3] of each */                 \
+            a[k] = OP(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),                                        \
+                      _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));                                       \
+        for (int k = 0; k < 4; k++) /* 128-bit lane L: v[4k + L], 4 values left */                               \
+            b[k] = OP(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),                                        \
+                      _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));                                       \
+        for (int k = 0; k < 2; k++) /* in lane L, elements 0 and 2: v[8k + L]; 1 and 3: v[8k + 4 + L] */         \
+            c[k] = OP(_mm512_unpacklo_ps(b[2 * k], b[2 * k + 1]), _mm512_unpackhi_ps(b[2 * k], b[2 * k + 1]));   \
+        return OP(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))),          \
+                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))));         \
+    }
+REDUCE16(reduce16_min, _mm512_min_ps)
+REDUCE16(reduce16_max, _mm512_max_ps)
+#define ROW_SLOT(i) (4 * ((i) % 4) + (i) / 4)
+
+/* group_params for 16 groups at once, lane by lane in its float32 steps (the scale's rounding
+   and the divisions are IEEE's in both) */
+AVX512 static inline void group_params_v(__m512 lo, __m512 hi, float qmin, float qmax, int kind, int asym,
+                                         __m512 *scale, __m512 *zero) {
+    const __m512 nil = _mm512_setzero_ps(), tiny = _mm512_set1_ps(tiny_of(kind));
+    lo = _mm512_mask_mov_ps(lo, _mm512_cmp_ps_mask(lo, nil, _CMP_GT_OQ), nil);
+    hi = _mm512_mask_mov_ps(hi, _mm512_cmp_ps_mask(hi, nil, _CMP_LT_OQ), nil);
+    __m512 sc;
+    if (asym) {
+        sc = to_scale_dtype_v(_mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps(qmax - qmin)), kind);
+        sc = _mm512_mask_mov_ps(sc, _mm512_cmp_ps_mask(sc, tiny, _CMP_LT_OQ), tiny);
+        *zero = round_clamp_v(_mm512_sub_ps(_mm512_set1_ps(qmin), _mm512_div_ps(lo, sc)), _mm512_set1_ps(qmin),
+                              _mm512_set1_ps(qmax));
+    } else {
+        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lo), _mm512_set1_epi32(INT32_MIN)));
+        const __m512 absmax = _mm512_mask_mov_ps(hi, _mm512_cmp_ps_mask(neg, hi, _CMP_GT_OQ), neg);
+        sc = to_scale_dtype_v(_mm512_div_ps(absmax, _mm512_set1_ps((qmax - qmin) / 2)), kind);
+        sc = _mm512_mask_mov_ps(sc, _mm512_cmp_ps_mask(sc, tiny, _CMP_LT_OQ), tiny);
+        *zero = nil;
+    }
+    *scale = sc;
+}
+
 /* The portable loop's rows, for groups of a multiple of 16 columns and every s within
-   [1/SAFE, SAFE]. rs: 1/s; smax: the largest s; params: 4 floats per group. A row whose
-   scaled range is not finite or reaches SAFE goes the portable way (x: its scratch).
-   cvt: round to bf16 with AVX512-BF16's instruction (candidates_of_row_bf16). */
+   [1/SAFE, SAFE], BLOCK rows at a time: each group's ranges over the block's rows, reduced
+   together (REDUCE16) into one vector of parameters, then each row's candidates. rs: 1/s;
+   smax: the largest s; params: 3 BLOCK floats per group. A row whose scaled range is not
+   finite or reaches SAFE goes the portable way (x: its scratch). cvt: round to bf16 with
+   AVX512-BF16's instruction (candidates_of_row_bf16). */
 AVX512 static void candidate_rows_avx512(int64_t r0, int64_t r1, const float *W, int64_t in, const float *s,
                                          const float *rs, float smax, int64_t size, int32_t scale_kind, float qmin,
                                          float qmax, int32_t asym, int32_t weight_kind, int32_t delta,
                                          int32_t out_kind, void *out, float *params, float *x, int cvt) {
     const size_t width = out_kind == SCALE_F32 ? 4 : 2;
     const int64_t groups = in / size;
-    float *lo = params, *hi = lo + groups, *scale = hi + groups, *zero = scale + groups;
+    float *scale = params, *zero = scale + groups * BLOCK, *rscale = zero + groups * BLOCK;
     /* a quotient of a scale at least this by any s is at least 2 SMALLEST (smax <= SAFE) */
     const float bound = 4 * SMALLEST * smax;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *w = W + r * in;
-        void *o = (char *)out + (size_t)r * (size_t)in * width;
-        const __m512 safe = _mm512_set1_ps(SAFE);
-        __mmask16 wide = 0; /* a value not below SAFE: infinite, NaN, or too large for the reciprocals */
+    const __m512 safe = _mm512_set1_ps(SAFE);
+    for (int64_t r = r0; r < r1; r += BLOCK) {
+        const int rows = r1 - r < BLOCK ? (int)(r1 - r) : BLOCK;
+        uint32_t wide = 0; /* rows with a value not below SAFE: infinite, NaN, or too large for the reciprocals */
         for (int64_t g = 0; g < groups; g++) {
             const int64_t b = g * size;
-            __m512 l = _mm512_mul_ps(_mm512_loadu_ps(w + b), _mm512_loadu_ps(s + b)), h = l;
-            wide |= _mm512_cmp_ps_mask(_mm512_abs_ps(l), safe, _CMP_NLT_UQ);
-            for (int64_t m = b + 16; m < b + size; m += 16) {
-                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w + m), _mm512_loadu_ps(s + m));
-                wide |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), safe, _CMP_NLT_UQ);
-                l = _mm512_min_ps(v, l);
-                h = _mm512_max_ps(v, h);
+            __m512 l[BLOCK], h[BLOCK];
+            for (int i = 0; i < BLOCK; i++) {
+                if (i >= rows) { /* no row: any value */
+                    l[ROW_SLOT(i)] = h[ROW_SLOT(i)] = _mm512_setzero_ps();
+                    continue;
+                }
+                const float *w = W + (r + i) * in;
+                __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w + b), _mm512_loadu_ps(s + b)), hi = lo;
+                __mmask16 far = _mm512_cmp_ps_mask(_mm512_abs_ps(lo), safe, _CMP_NLT_UQ);
+                for (int64_t m = b + 16; m < b + size; m += 16) {
+                    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w + m), _mm512_loadu_ps(s + m));
+                    far |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), safe, _CMP_NLT_UQ);
+                    lo = _mm512_min_ps(v, lo);
+                    hi = _mm512_max_ps(v, hi);
+                }
+                wide |= (uint32_t)(far != 0) << i;
+                l[ROW_SLOT(i)] = lo;
+                h[ROW_SLOT(i)] = hi;
             }
-            lo[g] = _mm512_reduce_min_ps(l);
-            hi[g] = _mm512_reduce_max_ps(h);
+            __m512 sc, zr;
+            group_params_v(reduce16_min(l), reduce16_max(h), qmin, qmax, scale_kind, asym, &sc, &zr);
+            _mm512_storeu_ps(scale + g * BLOCK, sc);
+            _mm512_storeu_ps(zero + g * BLOCK, zr);
+            _mm512_storeu_ps(rscale + g * BLOCK, _mm512_div_ps(_mm512_set1_ps(1.0f), sc));
         }
-        if (wide) {
-            candidate_rows(r, r + 1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta, out_kind,
-                           out, x);
-            continue;
+        for (int i = 0; i < rows; i++) {
+            if (wide >> i & 1) {
+                candidate_rows(r + i, r + i + 1, W, in, s, size, scale_kind, qmin, qmax, asym, weight_kind, delta,
+                               out_kind, out, x);
+                continue;
+            }
+            void *o = (char *)out + (size_t)(r + i) * (size_t)in * width;
+            (cvt ? candidates_of_row_bf16 : candidates_of_row)(W + (r + i) * in, s, rs, groups, size, scale + i,
+                                                                 zero + i, rscale + i, bound, scale_kind, qmin, qmax,
+                                                                 asym, weight_kind, delta, out_kind, o);
         }
-        for (int64_t g = 0; g < groups; g++) {
-            zero[g] = 0;
-            group_params(lo[g], hi[g], qmin, qmax, scale_kind, asym, scale + g, zero + g);
-        }
-        (cvt ? candidates_of_row_bf16 : candidates_of_row)(w, s, rs, groups, size, scale, zero, bound, scale_kind,
-                                                             qmin, qmax, asym, weight_kind, delta, out_kind, o);
     }
 }
 
@@ -323,7 +412,7 @@ int ptq_awq_candidates(int64_t r0, int64_t r1, const float *W, int64_t in, const
                        int32_t scale_kind, float qmin, float qmax, int32_t asym, int32_t weight_kind,
                        int32_t delta, int32_t out_kind, void *out, int32_t path) {
     const int64_t groups = in / size;
-    float *x = malloc((size_t)(2 * in + 4 * groups) * sizeof(float)); /* x, then rs and params */
+    float *x = malloc((size_t)(2 * in + 3 * BLOCK * groups) * sizeof(float)); /* x, then rs and params */
     if (!x)
         return 1;
 #if HAS_AVX512
