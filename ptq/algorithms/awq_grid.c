@@ -13,16 +13,18 @@
    same bits (candidate_rows_avx512): the ranges of 16 rows' groups first, reduced and made
    parameters 16 at a time (one row a lane), then each row's candidates, so that no group
    waits on the one before, in loops of their own for the common dtypes (no test on the
-   dtypes per 16 weights); and each division by the group scale or by s done as a
-   multiplication by the reciprocal and one exact correction (Markstein's: q = a·y, then
-   q + (a - q·b)·y with y = 1/b rounded to nearest and the residual exact by one fused
-   multiply-add; rounded to nearest, that is a/b rounded to nearest while dividend,
-   residual and quotient stay in the normal range). Where they may
-   not (values beyond SAFE, scales or quotients below SMALLEST), it divides, or runs the
-   row the portable way. Checked bit for bit against the portable loop on 849M random
-   weights (tests/algorithms/test_awq_compiled.py checks edge values), and the blocks of
-   16 rows against the one-row-at-a-time loop before them on 800 random cases (rows not a
-   multiple of 16, every dtype, scheme and path, infinities, NaN and subnormals). */
+   dtypes per 16 weights) where, with at most 16 levels (4 bits), each weight's dequantized
+   level is looked up in the group's table of 16 instead of scaled and rounded to bf16 one
+   by one; and each division by the group scale or by s done as a multiplication by the
+   reciprocal and one exact correction (Markstein's: q = a·y, then q + (a - q·b)·y with
+   y = 1/b rounded to nearest and the residual exact by one fused multiply-add; rounded to
+   nearest, that is a/b rounded to nearest while dividend, residual and quotient stay in
+   the normal range). Where they may not (values beyond SAFE, scales or quotients below
+   SMALLEST), it divides, or runs the row the portable way. Checked bit for bit against the
+   portable loop on 849M random weights (tests/algorithms/test_awq_compiled.py checks edge
+   values), and the blocks of 16 rows and the tables against the one-row-at-a-time loop
+   before them on 800 random cases (rows not a multiple of 16, every dtype, scheme, bit
+   width and path, infinities, NaN and subnormals). */
 
 #include "quant_math.h"
 
@@ -164,9 +166,13 @@ static const float SAFE = 0x1p100f; /* reciprocals of values within [1/SAFE, SAF
 static const float SMALLEST = 0x1p-90f;
 
 /* columns [m0, m1) of one row's candidates (CANDIDATES_OF_ROW's variables in scope); the
-   other arguments as CANDIDATES_OF_ROW's, or constants for the compiler to fold */
+   other arguments as CANDIDATES_OF_ROW's, or constants for the compiler to fold. TABLE: the
+   dequantized values looked up in `table` (one lane per level, level l at l & 15: at most
+   16 levels) by the clamped quotient rounded to an integer, where the portable loop rounds,
+   clamps and multiplies by the scale (the same value: the levels and the range's ends are
+   integers, and rounding is monotone) */
 #define CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, DIVIDE, MAY_BE_TINY, SCALE_KIND, ASYM, WEIGHT_KIND, DELTA,      \
-                       OUT_KIND)                                                                                  \
+                       OUT_KIND, TABLE)                                                                           \
     do {                                                                                                         \
     for (int64_t m = m0; m < m1; m += 16) {                                                                      \
         const __m512 wv = _mm512_loadu_ps(w + m), sv = _mm512_loadu_ps(s + m);                                  \
@@ -174,11 +180,18 @@ static const float SMALLEST = 0x1p-90f;
            however inexact) */                                                                                    \
         const __m512 x = _mm512_mul_ps(wv, sv);                                                                  \
         const __m512 q = (DIVIDE) ? _mm512_div_ps(x, sc) : divide_v(x, sc, rsc);                                 \
-        const __m512 t = (ASYM) ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)           \
-                                : round_clamp_v(q, vqmin, vqmax);                                                 \
-        /* 0, or at least the scale: normal (the scale dtype's smallest normal at least) */                       \
-        const __m512 p = _mm512_mul_ps(t, sc);                                                                   \
-        const __m512 a = (SCALE_KIND) == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, (SCALE_KIND));            \
+        __m512 a;                                                                                                \
+        if (TABLE) {                                                                                             \
+            const __m512 y = _mm512_min_ps(vqmax, _mm512_max_ps(vqmin, (ASYM) ? _mm512_add_ps(q, zr) : q));       \
+            a = _mm512_permutexvar_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),  \
+                                      table);                                                                    \
+        } else {                                                                                                 \
+            const __m512 t = (ASYM) ? _mm512_sub_ps(round_clamp_v(_mm512_add_ps(q, zr), vqmin, vqmax), zr)       \
+                                    : round_clamp_v(q, vqmin, vqmax);                                             \
+            /* 0, or at least the scale: normal (the scale dtype's smallest normal at least) */                   \
+            const __m512 p = _mm512_mul_ps(t, sc);                                                               \
+            a = (SCALE_KIND) == SCALE_BF16 ? TO_BF16(p) : to_scale_dtype_v(p, (SCALE_KIND));                     \
+        }                                                                                                        \
         __m512 c = (DIVIDE) ? _mm512_div_ps(a, sv) : divide_v(a, sv, _mm512_loadu_ps(rs + m));                  \
         __mmask16 odd = ODD(wv);                                                                                 \
         if (MAY_BE_TINY) {                                                                                       \
@@ -198,6 +211,20 @@ static const float SMALLEST = 0x1p-90f;
     }                                                                                                            \
     } while (0)
 
+/* CANDIDATE_LOOP for bf16 scales, weights and outputs and no tiny quotient, one loop for
+   each scheme (asym) and output (delta) */
+#define BF16_LOOPS(TO_BF16, STORE_BF16, ODD, TABLE)                                                              \
+    do {                                                                                                         \
+        if (asym && delta)                                                                                       \
+            CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 1, SCALE_BF16, TABLE);    \
+        else if (asym)                                                                                           \
+            CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 0, SCALE_BF16, TABLE);    \
+        else if (delta)                                                                                          \
+            CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 1, SCALE_BF16, TABLE);    \
+        else                                                                                                     \
+            CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 0, SCALE_BF16, TABLE);    \
+    } while (0)
+
 /* One row's candidates, 16 columns at a time, from its groups' parameters (scale, zero and
    1/scale: group g's at [g * BLOCK], the rows of a block interleaved). bound: no quotient
    of a group whose scale is at least this can fall below SMALLEST (its candidates are 0 or
@@ -214,6 +241,12 @@ static const float SMALLEST = 0x1p-90f;
         const __m512 vqmin = _mm512_set1_ps(qmin), vqmax = _mm512_set1_ps(qmax);                                \
         const __m512 smallest = _mm512_set1_ps(SMALLEST);                                                        \
         const int bf16 = scale_kind == SCALE_BF16 && weight_kind == SCALE_BF16 && out_kind == SCALE_BF16;       \
+        /* with at most 16 levels, lane i of `levels` holds the level l with l & 15 = i */                       \
+        const int few = qmax - qmin < 16;                                                                        \
+        const __m512i first = _mm512_set1_epi32((int32_t)qmin);                                                  \
+        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);             \
+        const __m512 levels = _mm512_cvtepi32_ps(_mm512_add_epi32(                                               \
+            first, _mm512_and_si512(_mm512_sub_epi32(iota, first), _mm512_set1_epi32(15))));                      \
         for (int64_t g = 0; g < groups; g++) {                                                                   \
             const float sg = scale[g * BLOCK];                                                                   \
             const __m512 sc = _mm512_set1_ps(sg), zr = _mm512_set1_ps(zero[g * BLOCK]);                          \
@@ -222,17 +255,18 @@ static const float SMALLEST = 0x1p-90f;
             /* a scale this small would leave the corrections' residuals inexact: divide */                     \
             const int divide = sg < SMALLEST, may_be_tiny = divide || !(sg >= bound);                            \
             /* the common cases as loops of their own, with no test in them but for odd lanes */                 \
-            if (bf16 && !may_be_tiny && asym && delta)                                                           \
-                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 1, SCALE_BF16);       \
-            else if (bf16 && !may_be_tiny && asym)                                                               \
-                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 1, SCALE_BF16, 0, SCALE_BF16);       \
-            else if (bf16 && !may_be_tiny && delta)                                                              \
-                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 1, SCALE_BF16);       \
-            else if (bf16 && !may_be_tiny)                                                                       \
-                CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, 0, 0, SCALE_BF16, 0, SCALE_BF16, 0, SCALE_BF16);       \
-            else                                                                                                 \
+            if (bf16 && !may_be_tiny && few) {                                                                   \
+                /* the levels dequantized as the portable loop does: (l - zero) · scale, to bf16 */              \
+                const __m512 table = TO_BF16(_mm512_mul_ps(asym ? _mm512_sub_ps(levels, zr) : levels, sc));      \
+                BF16_LOOPS(TO_BF16, STORE_BF16, ODD, 1);                                                         \
+            } else if (bf16 && !may_be_tiny) {                                                                   \
+                const __m512 table = _mm512_setzero_ps(); /* not read */                                        \
+                BF16_LOOPS(TO_BF16, STORE_BF16, ODD, 0);                                                         \
+            } else {                                                                                             \
+                const __m512 table = _mm512_setzero_ps();                                                        \
                 CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, divide, may_be_tiny, scale_kind, asym, weight_kind,     \
-                               delta, out_kind);                                                                 \
+                               delta, out_kind, 0);                                                              \
+            }                                                                                                    \
         }                                                                                                        \
     }
 
