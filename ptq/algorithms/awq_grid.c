@@ -254,19 +254,18 @@ static const float SMALLEST = 0x1p-90f;
             const int64_t m0 = g * size, m1 = m0 + size;                                                         \
             /* a scale this small would leave the corrections' residuals inexact: divide */                     \
             const int divide = sg < SMALLEST, may_be_tiny = divide || !(sg >= bound);                            \
-            /* the common cases as loops of their own, with no test in them but for odd lanes */                 \
-            if (bf16 && !may_be_tiny && few) {                                                                   \
-                /* the levels dequantized as the portable loop does: (l - zero) · scale, to bf16 */              \
-                const __m512 table = TO_BF16(_mm512_mul_ps(asym ? _mm512_sub_ps(levels, zr) : levels, sc));      \
+            /* the common cases as loops of their own, with no test in them but for odd lanes; with few      \
+               levels, those dequantized as the portable loop does ((l - zero) · scale, to bf16) */              \
+            const int fast = bf16 && !may_be_tiny;                                                               \
+            const __m512 table = fast && few                                                                     \
+                ? TO_BF16(_mm512_mul_ps(asym ? _mm512_sub_ps(levels, zr) : levels, sc)) : _mm512_setzero_ps();  \
+            if (fast && few)                                                                                     \
                 BF16_LOOPS(TO_BF16, STORE_BF16, ODD, 1);                                                         \
-            } else if (bf16 && !may_be_tiny) {                                                                   \
-                const __m512 table = _mm512_setzero_ps(); /* not read */                                        \
+            else if (fast)                                                                                       \
                 BF16_LOOPS(TO_BF16, STORE_BF16, ODD, 0);                                                         \
-            } else {                                                                                             \
-                const __m512 table = _mm512_setzero_ps();                                                        \
+            else                                                                                                 \
                 CANDIDATE_LOOP(TO_BF16, STORE_BF16, ODD, divide, may_be_tiny, scale_kind, asym, weight_kind,     \
                                delta, out_kind, 0);                                                              \
-            }                                                                                                    \
         }                                                                                                        \
     }
 
