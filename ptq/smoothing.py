@@ -129,16 +129,17 @@ def _awq_(
     def inputs(i: int, m: ResolvedMapping) -> tuple[Tensor, LossSums]:  # every process's sums: in turn
         return observers[m.mapping.balance[0]].value, inspected.loss(i, args, scale_dtype)
 
+    grid = {"args": args, "n_grid": step.n_grid, "duo_scaling": step.duo_scaling}  # awq_grid's (awq_search's) options
+
     def search(m: ResolvedMapping, x_mean: Tensor, losses: LossSums) -> AWQResult:
-        return awq_search(x_mean, [b.weight for b in m.balance], losses, args=args, n_grid=step.n_grid,
-                          duo_scaling=step.duo_scaling)
+        return awq_search(x_mean, [b.weight for b in m.balance], losses, **grid)
 
     def results() -> Iterator[AWQResult]:  # in the mappings' order
         if step.loss == "linear" and _searches_independent([m for _, m in found]):
             # the statistics read in turn, then every search's candidates as one set of tasks
             searches = [(m, observers[m.mapping.balance[0]].value, inspected.gram_loss(i, args, scale_dtype))
                         for i, m in found]
-            yield from _independent_searches(searches, step, args)
+            yield from _independent_searches(searches, grid)
         else:  # each after the mappings before it are applied (a module loss runs the module)
             yield from (search(m, *inputs(i, m)) for i, m in found)
 
@@ -154,9 +155,10 @@ def _awq_(
 
 
 def _independent_searches(searches: list[tuple[ResolvedMapping, Tensor, Callable[[], LinearLoss]]],
-                          step: AWQStep, args: QuantArgs) -> list[AWQResult]:
+                          grid: dict) -> list[AWQResult]:
     """The linear-loss searches of mappings that do not depend on each other
-    (_searches_independent), each given (mapping, x̄, a maker of its loss): their grids and
+    (_searches_independent), each given (mapping, x̄, a maker of its loss), with awq_grid's
+    options `grid` (args, n_grid, duo_scaling) as awq_search takes them: their grids and
     losses made side by side, then the candidates of all of them as one list of tasks on the
     CPU's threads, the costliest first, so that no thread waits while another still has a
     mapping's candidates (with one search per thread, SmolLM2's gate/up search, 50 ms, beside
@@ -166,8 +168,7 @@ def _independent_searches(searches: list[tuple[ResolvedMapping, Tensor, Callable
     packing) is held until the tasks end. The same candidates go to the same tasks as in a
     search of its own: the same bits."""
     def prepare(m: ResolvedMapping, x_mean: Tensor, make: Callable[[], LinearLoss]) -> tuple:
-        scales, labels = awq_grid(x_mean, [b.weight for b in m.balance], args=args, n_grid=step.n_grid,
-                                  duo_scaling=step.duo_scaling)
+        scales, labels = awq_grid(x_mean, [b.weight for b in m.balance], **grid)
         loss = make()
         return scales, labels, loss, loss.tasks(scales)
 
