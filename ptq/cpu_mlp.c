@@ -54,15 +54,25 @@ AVX512 static int64_t silu_mul_avx512(const uint16_t *g, const uint16_t *u, cons
 }
 #endif
 
-/* y = bf16(silu[g] · u) over n bf16 values (see the header); silu: 65537 bf16 values, the
-   SiLU of every bf16 bit pattern in order and one more (read, never used). portable: not
-   the AVX-512 code (the same bits: for tests). Returns how many products are not finite. */
-int64_t ptq_silu_mul_bf16(const uint16_t *g, const uint16_t *u, const uint16_t *silu, int64_t n, int32_t portable,
-                          uint16_t *y) {
+/* y = bf16(silu[g] · u) over rows of n bf16 values (see the header), row r of g, u and y
+   at r·gstride, r·ustride and r·n values (g and u may be column slices of one wider
+   tensor: gate/up computed in one GEMM); silu: 65537 bf16 values, the SiLU of every bf16
+   bit pattern in order and one more (read, never used). portable: not the AVX-512 code
+   (the same bits: for tests). Returns how many products are not finite. */
+int64_t ptq_silu_mul_bf16(const uint16_t *g, int64_t gstride, const uint16_t *u, int64_t ustride, int64_t rows,
+                          int64_t n, const uint16_t *silu, int32_t portable, uint16_t *y) {
+    int64_t odd = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gr = g + r * gstride, *ur = u + r * ustride;
+        uint16_t *yr = y + r * n;
 #if HAS_AVX512
-    if (!portable && __builtin_cpu_supports("avx512f"))
-        return silu_mul_avx512(g, u, silu, n, y);
+        if (!portable && __builtin_cpu_supports("avx512f")) {
+            odd += silu_mul_avx512(gr, ur, silu, n, yr);
+            continue;
+        }
 #endif
+        odd += silu_mul_portable(gr, ur, silu, 0, n, yr);
+    }
     (void)portable;
-    return silu_mul_portable(g, u, silu, 0, n, y);
+    return odd;
 }

@@ -15,10 +15,12 @@ Only where that holds: a module whose forward is transformers' LlamaMLP's code (
 Qwen2, Qwen3 and others copy it), whose act_fn is a SiLU (torch's nn.SiLU or transformers'
 SiLUActivation), no hooks on its act_fn and no forward of its own set on the instance
 (accelerate's offloading sets one), bf16 gate and up outputs of the same shape on a CPU,
-contiguous. Anything else runs the module's own forward. torch's SiLU takes its scalar code
-for what its vectors leave over (and for strided tensors): that code gives the vector
-code's bits for every finite bf16 input (all 65536 patterns checked, torch 2.13), and a
-non-finite one makes a non-finite product, which goes back to torch.
+each a stack of unit-stride rows at one row stride (contiguous, or column slices of one
+wider output: ptq.calibration.sequential computes gate and up in one GEMM). Anything else
+runs the module's own forward. torch's SiLU takes its scalar code for what its vectors
+leave over (and for strided tensors): that code gives the vector code's bits for every
+finite bf16 input (all 65536 patterns checked, torch 2.13), and a non-finite one makes a
+non-finite product, which goes back to torch.
 The Linears are called as the original calls them, gate_proj before up_proj, so the passes'
 hooks, replays and stops see the same calls.
 """
@@ -66,20 +68,38 @@ def applies_to(module: nn.Module) -> bool:
     return type(getattr(module, "act_fn", None)) in _silu_types() and compiled.unavailable() is None
 
 
+def _rows(t: Tensor) -> int | None:
+    """The stride between t's rows of its last dimension where t is a stack of such rows at
+    one stride, each of unit stride (contiguous, or a column slice of a wider tensor: gate's
+    and up's outputs of one stacked GEMM); else None."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    n, stride = t.shape[-1], t.stride(-2) if t.dim() > 1 else t.shape[-1]
+    expected = stride
+    for size, actual in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size > 1 and actual != expected:
+            return None
+        expected *= size
+    return stride if stride >= n else None
+
+
 def silu_mul(gate: Tensor, up: Tensor, portable: bool = False) -> Tensor | None:
-    """bf16(silu(gate) · up) as torch computes F.silu(gate) * up, or None where the
-    compiled code does not apply to these tensors (see the module's docstring) or a
+    """bf16(silu(gate) · up) as torch computes F.silu(gate) * up, contiguous, or None where
+    the compiled code does not apply to these tensors (see the module's docstring) or a
     product is not finite. portable: not the AVX-512 code (the same bits: for tests)."""
     applies = (
         gate.device.type == up.device.type == "cpu" and gate.dtype == up.dtype == torch.bfloat16
-        and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous()
+        and gate.shape == up.shape and gate.numel() > 0
         and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
     )
-    if not applies:
+    strides = (_rows(gate), _rows(up)) if applies else (None, None)
+    if None in strides:
         return None
-    out = torch.empty_like(gate)
-    odd = compiled.library()[0].ptq_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), silu_table().data_ptr(),
-                                                   gate.numel(), int(portable), out.data_ptr())
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    n = gate.shape[-1]
+    odd = compiled.library()[0].ptq_silu_mul_bf16(gate.data_ptr(), strides[0], up.data_ptr(), strides[1],
+                                                   gate.numel() // n, n, silu_table().data_ptr(), int(portable),
+                                                   out.data_ptr())
     return out if odd == 0 else None
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptq.errors import PtqError
+from ptq.glue import hooked
 from ptq.packing import pack_int32, packed_width, unpack_int32
 from ptq.primitives import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize
 from ptq.schemes import QuantArgs, Scheme
@@ -223,6 +224,28 @@ def cached_weight(module: nn.Module) -> Iterator[None]:
     finally:
         for m in quantized:
             m._cached = None
+
+
+def stacked(modules: list[nn.Module], device: torch.device) -> tuple[Tensor, Tensor | None] | None:
+    """The dequantized weights [sum of outs, in] and biases (None where none has one) of
+    QuantLinears that read one input, stacked along the outputs, where one F.linear of the
+    stack computes what each module's forward computes on `device`: two or more of them,
+    weight-only, on the torch path (not CUDA, where kernels may run; not backend "triton"),
+    without hooks (their forwards would not run), one scale dtype, all with a bias or none.
+    Else None.
+
+    A stage's replays (ptq.calibration.sequential) then read each input once for q/k/v (or
+    gate/up), in one wide GEMM instead of one per Linear: narrow ones run at lower rates
+    (SmolLM2's k/v, 192 columns), and two threads' GEMMs at once contend for the caches."""
+    if len(modules) < 2 or device.type == "cuda" or not all(isinstance(m, QuantLinear) for m in modules):
+        return None
+    if any(m.backend == "triton" or m.scheme.input_activations is not None or hooked(m) for m in modules):
+        return None
+    if len({m.weight_scale.dtype for m in modules}) > 1 or len({m.bias is None for m in modules}) > 1:
+        return None
+    weight = torch.cat([m.dequantized_weight() for m in modules])
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    return weight, bias
 
 
 class Expert(nn.Module):

@@ -53,6 +53,20 @@ def test_every_finite_bf16_gate_value(portable):
 
 
 @needs_library
+@pytest.mark.parametrize("portable", [False, True])
+def test_gate_and_up_as_column_slices_of_one_output(portable):
+    """gate/up computed in one GEMM (ptq.calibration.sequential's stacked replays): each a
+    column slice of a [.., 2n] output, rows at twice their width apart; the product is
+    contiguous and the same bits."""
+    both, _ = _pair((3, 7, 2 * 100))  # 100: a tail past a vector in every row
+    gate, up = both.split(100, dim=-1)
+    assert not gate.is_contiguous()
+    got = cpu_mlp.silu_mul(gate, up, portable=portable)
+    assert got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(torch.nn.functional.silu(gate) * up))
+
+
+@needs_library
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_product_that_is_not_finite_goes_back_to_torch(value):
     gate, up = _pair((4, 64))
@@ -70,7 +84,10 @@ def test_a_product_that_is_not_finite_goes_back_to_torch(value):
 def test_tensors_it_does_not_take():
     gate, up = _pair((4, 64))
     assert cpu_mlp.silu_mul(gate.float(), up.float()) is None
-    assert cpu_mlp.silu_mul(gate.t(), up.t()) is None  # not contiguous
+    assert cpu_mlp.silu_mul(gate.t(), up.t()) is None  # the last dimension strided
+    wide = torch.cat([gate, gate], dim=1).view(2, 2, 128)
+    assert cpu_mlp.silu_mul(wide[:, :, :64].transpose(0, 1), up.view(2, 2, 64)) is None  # rows not at one stride
+    assert cpu_mlp.silu_mul(gate[:0], up[:0]) is None
     assert cpu_mlp.silu_mul(gate, up[:, :32].contiguous()) is None
     assert cpu_mlp.silu_mul(gate.requires_grad_(), up) is None  # autograd would record nothing
 

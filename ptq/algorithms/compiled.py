@@ -131,7 +131,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_sum_squares_bf16.restype = ctypes.c_int
     lib.ptq_sum_squares_bf16.argtypes = [_P, _I, _I, _I, _C, _P]
     lib.ptq_silu_mul_bf16.restype = ctypes.c_int64
-    lib.ptq_silu_mul_bf16.argtypes = [_P, _P, _P, _I, _C, _P]
+    lib.ptq_silu_mul_bf16.argtypes = [_P, _I, _P, _I, _I, _I, _P, _C, _P]
     lib.ptq_rotary.restype = ctypes.c_int64
     lib.ptq_rotary.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _I, _C, _C, _P, _I, _I, _I]
     for name in ("ptq_abs_column_sums", "ptq_abs_column_maxs"):

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptq import cpu_mlp, cpu_rotary
@@ -43,7 +44,7 @@ from ptq.calibration.memo import Batch, Memo, memoized
 from ptq.calibration.observers import Observer
 from ptq.calibration.runner import (BlockRun, Inputs, _hidden, _hidden_of, _StopForward, _with_hidden,
                                    run_until_stopped)
-from ptq.modules import cached_weight
+from ptq.modules import cached_weight, stacked
 
 
 class _Replay(nn.Module):
@@ -232,10 +233,9 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
                 if memo.claim(index, x):
                     break
         _coarsen(replays, pending, outputs, done, len(run.inputs))
-        for name, module in quantize(stage, observer).items():
-            with cached_weight(module):
-                replays[name] = run.map_items(lambda x, module=module: _kept(module(x.to(batch.device)), run), recorded)
-            done.add(name)
+        installed = quantize(stage, observer)
+        replays.update(_stage_outputs(run, installed, recorded, batch.device))
+        done.update(installed)
         del recorded
         _replay_returning_modules(replays, order.returns, linears, done)
 
@@ -246,6 +246,27 @@ def _quantize_stages(run: BlockRun, order: Stages, linears: dict[str, nn.Linear]
     batch.last_pass = True
     with _replaying(run.block, replays, batch, last_use=frozenset(replays)), cached_weight(run.block):
         return list(run.map_batches(final, bounded=False))
+
+
+def _stage_outputs(run: BlockRun, installed: dict[str, nn.Module], recorded: list[Tensor],
+                   device: torch.device) -> dict[str, list]:
+    """Each quantized Linear's outputs on the stage's recorded inputs, by name: one GEMM on
+    each input for the stage's Linears where their weights stack (modules.stacked: q/k/v,
+    gate/up), its outputs' columns cut apart as views; else one module at a time."""
+    if recorded and (weights := stacked(list(installed.values()), device)) is not None:
+        widths = [module.out_features for module in installed.values()]
+        weight, bias = (t if t is None else t.to(recorded[0].dtype) for t in weights)  # as each forward casts
+
+        def outputs(x: Tensor) -> tuple[Tensor, ...]:
+            return _kept(F.linear(x.to(device), weight, bias), run).split(widths, dim=-1)
+
+        per_input = run.map_items(outputs, recorded)
+        return {name: [outs[i] for outs in per_input] for i, name in enumerate(installed)}
+    replays = {}
+    for name, module in installed.items():
+        with cached_weight(module):
+            replays[name] = run.map_items(lambda x, module=module: _kept(module(x.to(device)), run), recorded)
+    return replays
 
 
 def _last_used(replays: dict[str, list], returns: dict[str, tuple[str, int]], linears: dict[str, nn.Linear],

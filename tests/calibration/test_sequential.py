@@ -1,5 +1,7 @@
 """True-sequential with replay gives what stage-by-stage passes give, computing less."""
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -104,6 +106,35 @@ def test_linears_run_once_per_batch():
 
     ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(1))
     run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_a_stage_is_replayed_in_one_gemm_of_its_stacked_weights(monkeypatch, family):
+    """q/k/v's and gate/up's quantized outputs come from one F.linear per batch of their
+    stacked dequantized weights (modules.stacked), the same bits as one module at a time
+    (hooked modules run their own forwards: test_linears_run_once_per_batch)."""
+    import ptq.calibration.sequential as sequential
+
+    model = tiny_model(family, dtype=torch.bfloat16)
+    config = model.config
+    head = config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head
+    widths = []  # of the weights sequential's own F.linear calls take (the stacked replays')
+    linear = torch.nn.functional.linear
+    counting = types.SimpleNamespace(linear=lambda x, w, b=None: widths.append(w.shape[0]) or linear(x, w, b))
+    monkeypatch.setattr(sequential, "F", counting)
+    stacked = quantize_with(model, replay=True)
+    # 4 samples in batches of 2, 2 blocks: each stacked stage computed twice per block
+    assert sorted(widths) == sorted([qkv, 2 * config.intermediate_size] * 2 * config.num_hidden_layers)
+    widths.clear()
+    monkeypatch.setattr(sequential, "stacked", lambda *_: None)
+    apart = quantize_with(tiny_model(family, dtype=torch.bfloat16), replay=True)
+    assert widths == []
+    assert stacked[0].keys() == apart[0].keys()
+    for name in apart[0]:
+        assert torch.equal(stacked[0][name], apart[0][name]), name
+    for a, b in zip(stacked[1], apart[1]):
+        assert torch.equal(a, b)
 
 
 def test_norms_of_the_block_input_or_of_a_stage_input_are_computed_once_per_batch(monkeypatch):
