@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ptq.algorithms import compiled
 from ptq.errors import PtqError
 from ptq.glue import hooked
 from ptq.packing import pack_int32, packed_width, unpack_int32
@@ -132,10 +133,23 @@ class QuantLinear(nn.Module):
             zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
         return QuantizedWeight(q, scale, zero, g_idx, args)
 
-    def dequantized_weight(self) -> Tensor:
-        """The weight [out, in] as the checkpoint defines it, in the scale dtype."""
+    def dequantized_weight(self, out: Tensor | None = None) -> Tensor:
+        """The weight [out, in] as the checkpoint defines it, in the scale dtype (written into
+        `out` where given). Packed codes with consecutive groups are dequantized from their
+        words by the compiled library where it is built (compiled.dequantize_packed: the same
+        bits, without unpacking them into a tensor first)."""
+        args = self.scheme.weights
+        if self.scheme.format == "pack-quantized" and getattr(self, "weight_g_idx", None) is None:
+            zero = None
+            if not args.symmetric:
+                zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
+            done = compiled.dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale,
+                                              zero, out)
+            if done is not None:
+                return done
         qw = self.quantized_weight()
-        return dequantize(qw.q, qw.scale, qw.zero, qw.g_idx)
+        weight = dequantize(qw.q, qw.scale, qw.zero, qw.g_idx)
+        return weight if out is None else out.copy_(weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda and kernel_fits(self.scheme)):
@@ -243,7 +257,10 @@ def stacked(modules: list[nn.Module], device: torch.device) -> tuple[Tensor, Ten
         return None
     if len({m.weight_scale.dtype for m in modules}) > 1 or len({m.bias is None for m in modules}) > 1:
         return None
-    weight = torch.cat([m.dequantized_weight() for m in modules])
+    weight = torch.empty(sum(m.out_features for m in modules), modules[0].in_features,
+                         dtype=modules[0].weight_scale.dtype, device=modules[0].weight_scale.device)
+    for m, rows in zip(modules, weight.split([m.out_features for m in modules])):
+        m.dequantized_weight(out=rows)
     bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
     return weight, bias
 

@@ -99,3 +99,41 @@ VECTORIZED void ptq_unpack_int32(const int32_t *words, int64_t rows, int64_t nwo
         }
     }
 }
+
+/* The codes in words [rows, nwords] (packed as above), dequantized as
+   ptq/primitives.py's dequantize computes them: (q - zero) · scale in the scale's dtype.
+   Row r's n codes form `groups` groups of n / groups consecutive codes, group g with the
+   scale scale[r, g] (float32 or bf16: scale_kind, SCALE_* of quant_math.h) and the zero
+   point zero[r, g] (int8 [rows, groups]; NULL: symmetric, zero 0). out [rows, n], in the
+   scale's dtype. The same bits as torch: the difference of two 8-bit integers is exact in
+   float32 and in bf16, and its product with a bf16 scale (8 significant bits each) exact
+   in float32, which one rounding to bf16 (to nearest even) makes torch's bf16 product;
+   with float32 scales the steps are torch's own. codes: n bytes of scratch. */
+VECTORIZED void ptq_dequantize_packed(const int32_t *words, int64_t nwords, int32_t bits, int64_t n,
+                                      const void *scale, int32_t scale_kind, int64_t groups, const int8_t *zero,
+                                      void *out, int64_t rows, int8_t *codes) {
+    const int64_t size = n / groups;
+    for (int64_t r = 0; r < rows; r++) {
+        ptq_unpack_int32(words + r * nwords, 1, nwords, bits, n, codes);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = r * groups + g;
+            const float s = scale_kind == SCALE_BF16 ? bf16_widened(((const uint16_t *)scale)[at])
+                                                     : ((const float *)scale)[at];
+            const float z = zero ? (float)zero[at] : 0.0f;
+            const int8_t *c = codes + g * size;
+            if (scale_kind == SCALE_BF16) {
+                uint16_t *o = (uint16_t *)out + r * n + g * size;
+                for (int64_t j = 0; j < size; j++) {
+                    const float v = to_bf16(((float)c[j] - z) * s);
+                    uint32_t u;
+                    memcpy(&u, &v, 4);
+                    o[j] = (uint16_t)(u >> 16);
+                }
+            } else {
+                float *o = (float *)out + r * n + g * size;
+                for (int64_t j = 0; j < size; j++)
+                    o[j] = ((float)c[j] - z) * s;
+            }
+        }
+    }
+}

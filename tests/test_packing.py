@@ -102,6 +102,46 @@ def test_compiled_packing_writes_the_torch_words(bits, n, monkeypatch):
     assert torch.equal(unpacked, values)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("groups", [1, 3, 8])  # 1: per channel
+def test_compiled_dequantize_gives_the_torch_bits(bits, scale_dtype, symmetric, groups):
+    """compiled.dequantize_packed against primitives.dequantize of the unpacked codes: every
+    code of the width, scales from bf16's smallest normal to near its largest (products
+    overflowing to inf), zero points at both ends."""
+    from ptq.primitives import dequantize
+
+    assert compiled.unavailable() is None
+    g = torch.Generator().manual_seed(bits * 10 + groups)
+    rows, n = 37, 24 * groups
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, (rows, n), generator=g).to(torch.int8)
+    q[0], q[1] = lo, hi
+    scale = (torch.rand(rows, groups, generator=g) * 2).exp2().mul(torch.randn(rows, groups, generator=g).sign())
+    scale[2], scale[3], scale[4] = 1.2e-38, 3e38, 1e-3
+    scale = scale.to(scale_dtype)
+    zero = None if symmetric else torch.randint(lo, hi + 1, (rows, groups), generator=g).to(torch.int8)
+    if zero is not None:
+        zero[5], zero[6] = lo, hi
+    expected = dequantize(q, scale, zero)
+    got = compiled.dequantize_packed(pack_int32(q, bits), bits, n, scale, zero)
+    assert got.dtype == scale_dtype and torch.isinf(expected).any() and expected.isfinite().any()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    into = torch.full((rows, n), 7.0, dtype=scale_dtype)
+    assert compiled.dequantize_packed(pack_int32(q, bits), bits, n, scale, zero, out=into) is into
+    assert torch.equal(into.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_compiled_dequantize_declines_what_it_does_not_compute():
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    words = pack_int32(q, 4)
+    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 2, dtype=torch.float16), None) is None
+    assert compiled.dequantize_packed(words, 4, 64, torch.ones(1, 1), None) is None  # per tensor
+    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 3), None) is None  # 3 does not divide 64
+    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 2), None, out=torch.empty(4, 64).t()) is None
+
+
 def test_rejects_bad_width():
     with pytest.raises(ValueError, match="1..8"):
         pack_int32(torch.zeros(1, 4, dtype=torch.int8), 9)
