@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ptq.algorithms import compiled
 from ptq.errors import PtqError
 from ptq.glue import hooked
-from ptq.packing import pack_int32, packed_width, unpack_int32
+from ptq.packing import dequantize_packed, pack_int32, packed_width, unpack_int32
 from ptq.primitives import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize
 from ptq.schemes import QuantArgs, Scheme
 
@@ -136,14 +135,14 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight [out, in] as the checkpoint defines it, in the scale dtype (written into
         `out` where given). Packed codes with consecutive groups are dequantized from their
-        words by the compiled library where it is built (compiled.dequantize_packed: the same
+        words by the compiled library where it is built (packing.dequantize_packed: the same
         bits, without unpacking them into a tensor first)."""
         args = self.scheme.weights
         if self.scheme.format == "pack-quantized" and getattr(self, "weight_g_idx", None) is None:
             zero = None
             if not args.symmetric:
                 zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
-            done = compiled.dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale,
+            done = dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale,
                                               zero, out)
             if done is not None:
                 return done

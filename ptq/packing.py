@@ -7,7 +7,8 @@ bits). A row of n values takes ceil(n * bits / 32) int32 words.
 
 On a CPU, int8 values are packed and unpacked by ptq's compiled library (packing.c, the
 same words; unpacking a [3072, 576] W4 weight takes 0.35 ms against 1.7) when it was built;
-the torch code here is the reference and runs everywhere else.
+the torch code here is the reference and runs everywhere else. There the codes are also
+dequantized straight from their words (dequantize_packed: QuantLinear's dequantized weight).
 """
 
 from __future__ import annotations
@@ -105,3 +106,35 @@ def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
     high = words[:, index + 1] << (32 - offset.repeat(chunks))
     unsigned = (low | high) & ((1 << bits) - 1)
     return (unsigned[:, :n] - (1 << (bits - 1))).to(torch.int8)
+
+
+def dequantize_packed(words: Tensor, bits: int, n: int, scale: Tensor, zero: Tensor | None,
+                      out: Tensor | None = None) -> Tensor | None:
+    """(q - zero) · scale in the scale's dtype, [rows, n], for the codes q packed in int32
+    words [rows, ceil(n·bits/32)] (pack_int32's layout), with per-group scales
+    [rows, groups] (groups of n / groups consecutive codes; 1: per channel) and int8 zero
+    points of that shape or None: what primitives.dequantize(unpack_int32(words, bits, n),
+    scale, zero) holds, bit for bit, without the codes' tensor, on one thread (packing.c,
+    ptq_dequantize_packed), into out ([rows, n] contiguous, the scale's dtype) where given.
+    None where it does not
+    apply (use torch): another device, a scale dtype other than float32 and bf16, scales
+    not [rows, groups] dividing n, or no compiled library."""
+    rows = words.shape[0]
+    applies = (
+        compiled.unavailable() is None and words.device.type == scale.device.type == "cpu"
+        and words.dtype == torch.int32
+        and scale.dtype in (torch.float32, torch.bfloat16) and scale.dim() == 2 and scale.shape[0] == rows
+        and scale.shape[1] > 0 and n % scale.shape[1] == 0 and words.shape[1] == -(-n * bits // 32)
+        and (zero is None or (zero.dtype == torch.int8 and zero.shape == scale.shape and zero.device.type == "cpu"))
+        and (out is None or (out.shape == (rows, n) and out.dtype == scale.dtype and out.is_contiguous()))
+    )
+    if not applies:
+        return None
+    words, scale = words.contiguous(), scale.contiguous()
+    zero = None if zero is None else zero.contiguous()
+    out = torch.empty(rows, n, dtype=scale.dtype) if out is None else out
+    codes = torch.empty(n, dtype=torch.int8)  # a row's codes: held here while the C code writes them
+    compiled.library()[0].ptq_dequantize_packed(
+        words.data_ptr(), words.shape[1], bits, n, scale.data_ptr(), compiled.KINDS[scale.dtype], scale.shape[1],
+        None if zero is None else zero.data_ptr(), out.data_ptr(), rows, codes.data_ptr())
+    return out

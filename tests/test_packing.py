@@ -8,7 +8,7 @@ from torch import nn
 from ptq.algorithms import compiled
 from ptq.algorithms.rtn import rtn
 from ptq.modules import QuantLinear
-from ptq.packing import pack_int32, packed_width, unpack_int32
+from ptq.packing import dequantize_packed, pack_int32, packed_width, unpack_int32
 from ptq.schemes import QuantArgs, Scheme
 
 
@@ -107,7 +107,7 @@ def test_compiled_packing_writes_the_torch_words(bits, n, monkeypatch):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("groups", [1, 3, 8])  # 1: per channel
 def test_compiled_dequantize_gives_the_torch_bits(bits, scale_dtype, symmetric, groups):
-    """compiled.dequantize_packed against primitives.dequantize of the unpacked codes: every
+    """dequantize_packed against primitives.dequantize of the unpacked codes: every
     code of the width, scales from bf16's smallest normal to near its largest (products
     overflowing to inf), zero points at both ends."""
     from ptq.primitives import dequantize
@@ -125,21 +125,21 @@ def test_compiled_dequantize_gives_the_torch_bits(bits, scale_dtype, symmetric, 
     if zero is not None:
         zero[5], zero[6] = lo, hi
     expected = dequantize(q, scale, zero)
-    got = compiled.dequantize_packed(pack_int32(q, bits), bits, n, scale, zero)
+    got = dequantize_packed(pack_int32(q, bits), bits, n, scale, zero)
     assert got.dtype == scale_dtype and torch.isinf(expected).any() and expected.isfinite().any()
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     into = torch.full((rows, n), 7.0, dtype=scale_dtype)
-    assert compiled.dequantize_packed(pack_int32(q, bits), bits, n, scale, zero, out=into) is into
+    assert dequantize_packed(pack_int32(q, bits), bits, n, scale, zero, out=into) is into
     assert torch.equal(into.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_compiled_dequantize_declines_what_it_does_not_compute():
     q = torch.zeros(4, 64, dtype=torch.int8)
     words = pack_int32(q, 4)
-    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 2, dtype=torch.float16), None) is None
-    assert compiled.dequantize_packed(words, 4, 64, torch.ones(1, 1), None) is None  # per tensor
-    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 3), None) is None  # 3 does not divide 64
-    assert compiled.dequantize_packed(words, 4, 64, torch.ones(4, 2), None, out=torch.empty(4, 64).t()) is None
+    assert dequantize_packed(words, 4, 64, torch.ones(4, 2, dtype=torch.float16), None) is None
+    assert dequantize_packed(words, 4, 64, torch.ones(1, 1), None) is None  # per tensor
+    assert dequantize_packed(words, 4, 64, torch.ones(4, 3), None) is None  # 3 does not divide 64
+    assert dequantize_packed(words, 4, 64, torch.ones(4, 2), None, out=torch.empty(4, 64).t()) is None
 
 
 def test_rejects_bad_width():
