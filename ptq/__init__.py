@@ -17,6 +17,10 @@ from ptq.source_checkout import hub_kernels_first
 
 hub_kernels_first()  # before transformers imports it: see ptq/source_checkout.py
 
+from ptq.first_math_call import settle
+
+settle()  # torch's first parallel cos or sin may be computed wrong: see ptq/first_math_call.py
+
 from ptq.checkpoint.reader import load
 from ptq.checkpoint.writer import save
 from ptq.errors import PtqError
