@@ -7,8 +7,8 @@ the calling thread's chunk, and every later call, are right. Checked without ptq
 first `cos` of a [1, 512, 32] float32 tensor on 2 threads (transformers' rotary table for
 512 positions) gave other bits than the same call made again in 2 of 60 and 1 of 80 fresh
 processes, the first `sin` in 8 of 100, always exactly the second thread's half; after one
-call on a 64-element tensor (one thread), none of 150 and 100 did
-(scripts/first_math_call.py counts it). In ptq's GPTQ job that first call is the rotary
+call on a 64-element tensor (one thread) none did: cos in 150 processes, sin in 100, and
+sin in 100 after importing ptq (scripts/first_math_call.py counts it). In ptq's GPTQ job that first call is the rotary
 table of the first calibration batch, and a wrong half of it moved the checkpoint's bits
 now and then (issue 15's "same bits in every run": 3 of 18 runs in one benchmark), and the
 benchmark's perplexity evaluation in its own process (79.915 against 79.91333).

@@ -142,8 +142,8 @@ class QuantLinear(nn.Module):
             zero = None
             if not args.symmetric:
                 zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
-            done = dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale,
-                                              zero, out)
+            done = dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale, zero,
+                                     out)
             if done is not None:
                 return done
         qw = self.quantized_weight()
