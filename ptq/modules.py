@@ -127,10 +127,14 @@ class QuantLinear(nn.Module):
         if self.scheme.format != "pack-quantized":
             return QuantizedWeight(self.weight, scale, None, g_idx, args)
         q = unpack_int32(self.weight_packed, args.num_bits, self.in_features)
-        zero = None
-        if not args.symmetric:
-            zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
-        return QuantizedWeight(q, scale, zero, g_idx, args)
+        return QuantizedWeight(q, scale, self._zero_points(), g_idx, args)
+
+    def _zero_points(self) -> Tensor | None:
+        """The packed checkpoint's zero points, unpacked: int8 [out, groups]; None when symmetric."""
+        args = self.scheme.weights
+        if args.symmetric:
+            return None
+        return unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
 
     def dequantized_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight [out, in] as the checkpoint defines it, in the scale dtype (written into
@@ -139,11 +143,8 @@ class QuantLinear(nn.Module):
         bits, without unpacking them into a tensor first)."""
         args = self.scheme.weights
         if self.scheme.format == "pack-quantized" and getattr(self, "weight_g_idx", None) is None:
-            zero = None
-            if not args.symmetric:
-                zero = unpack_int32(self.weight_zero_point.t(), args.num_bits, self.out_features).t()
-            done = dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale, zero,
-                                     out)
+            done = dequantize_packed(self.weight_packed, args.num_bits, self.in_features, self.weight_scale,
+                                     self._zero_points(), out)
             if done is not None:
                 return done
         qw = self.quantized_weight()
@@ -177,7 +178,7 @@ class QuantLinear(nn.Module):
         if self.scheme.format == "pack-quantized":
             stale = self._zero_unpacked is None or self._zero_unpacked.device != x.device
             if not w.symmetric and stale:  # unpacked once per device (the module may move)
-                self._zero_unpacked = self.quantized_weight().zero
+                self._zero_unpacked = self._zero_points()
             return kernels.wna16_matmul(
                 x, self.weight_packed, self.weight_scale, bits=w.num_bits, group_size=w.group_size,
                 weight_zero_point=self._zero_unpacked, g_idx=getattr(self, "weight_g_idx", None), bias=bias,

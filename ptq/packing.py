@@ -47,7 +47,10 @@ def pack_int32(values: Tensor, bits: int) -> Tensor:
         raise ValueError(f"num_bits must be in 1..8 to pack, got {bits}")
     rows, n = values.shape
     if _compiled_for(values, torch.int8) and values.stride(1) == 1:
-        return compiled.pack_int32(values, bits, packed_width(n, bits))
+        out = torch.empty(rows, packed_width(n, bits), dtype=torch.int32)
+        compiled.library()[0].ptq_pack_int32(values.data_ptr(), rows, n, values.stride(0), bits, out.data_ptr(),
+                                             out.shape[1])
+        return out
     per_pass = max(1, PACK_ELEMENTS // max(n, 1))
     if rows > per_pass:
         return torch.cat([_pack_rows(part, bits) for part in values.split(per_pass)])
@@ -90,7 +93,11 @@ def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
     if not 1 <= bits <= 8:
         raise ValueError(f"num_bits must be in 1..8 to unpack, got {bits}")
     if _compiled_for(packed, torch.int32) and packed.shape[1] == packed_width(n, bits):
-        return compiled.unpack_int32(packed, bits, n)
+        packed = packed.contiguous()
+        out = torch.empty(packed.shape[0], n, dtype=torch.int8)
+        compiled.library()[0].ptq_unpack_int32(packed.data_ptr(), packed.shape[0], packed.shape[1], bits, n,
+                                               out.data_ptr())
+        return out
     rows = packed.shape[0]
     if 32 % bits == 0:  # 1, 2, 4, 8 bits: whole elements per word, no straddling
         per_word = 32 // bits

@@ -385,25 +385,6 @@ def abs_column_stat(x: Tensor, stat: str) -> Tensor | None:
     return out
 
 
-def pack_int32(values: Tensor, bits: int, words: int) -> Tensor:
-    """packing.pack_int32 of int8 values [rows, n] (rows of unit stride) on a CPU, into
-    int32 [rows, words]: the same words."""
-    assert values.dtype == torch.int8 and values.device.type == "cpu" and values.stride(1) == 1
-    rows, n = values.shape
-    out = torch.empty(rows, words, dtype=torch.int32)
-    library()[0].ptq_pack_int32(values.data_ptr(), rows, n, values.stride(0), bits, out.data_ptr(), words)
-    return out
-
-
-def unpack_int32(packed: Tensor, bits: int, n: int) -> Tensor:
-    """packing.unpack_int32 of int32 words [rows, words] on a CPU: int8 [rows, n]."""
-    assert packed.dtype == torch.int32 and packed.device.type == "cpu"
-    packed = packed.contiguous()
-    out = torch.empty(packed.shape[0], n, dtype=torch.int8)
-    library()[0].ptq_unpack_int32(packed.data_ptr(), packed.shape[0], packed.shape[1], bits, n, out.data_ptr())
-    return out
-
-
 def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = None,
                dtype: torch.dtype | None = None) -> Tensor | None:
     """src [m, n] with its rows, then its columns, picked by the index tensors `rows` and
