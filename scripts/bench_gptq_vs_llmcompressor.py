@@ -347,13 +347,14 @@ def load_phase(args, results) -> dict[str, dict[str, Slowdown]]:
     print(f"\nUnder load: GPTQ, {len(os.sched_getaffinity(0))} busy processes (one per core) beside it; "
           f"wall seconds, medians of {args.repeats}")
     print("(cores: CPU seconds per wall second, quiet; fair: the slowdown a fair share of the CPU gives a job "
-          "using that many cores, 1 + cores / CPUs; over fair: slowdown / fair)")
+          "using that many cores, 1 + cores / CPUs; over fair: slowdown / fair; repeats: the lowest and highest "
+          "slowdown of a loaded run against the quiet run just before it)")
     print(f"{'model':8} {'tool':14} {'dtype':10} {'quiet':>7} {'loaded':>7} {'slowdown':>9} {'stolen':>6} "
-          f"{'cores':>6} {'fair':>6} {'over fair':>9}")
+          f"{'cores':>6} {'fair':>6} {'over fair':>9} {'repeats':>12}")
     for name, tools in slowdowns.items():
         for tool, run in tools.items():
             print(f"{name:8} {tool:14} {run.dtype:10} {run.quiet:7.1f} {run.loaded:7.1f} {run.ratio:8.2f}x "
-                  f"{run.stolen:>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
+                  f"{run.stolen:>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x {run.spread():>12}")
     for threads, run in reference_jobs().items():
         print(f"{'GEMMs':8} {f'{threads} thread(s)':14} {'float32':10} {run.quiet:7.1f} {run.loaded:7.1f} "
               f"{run.ratio:8.2f}x {'':>6} {run.cores:6.2f} {run.fair:5.2f}x {run.ratio / run.fair:8.2f}x")
@@ -386,8 +387,11 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
     def cores(tool: str) -> float:
         return statistics.median(r.get("cpu", float("nan")) / r["wall"] for r in runs[(tool, "quiet")])
 
+    def pairs(tool: str) -> tuple[float, ...]:
+        return tuple(loaded["wall"] / quiet["wall"] for quiet, loaded in zip(runs[(tool, "quiet")], runs[(tool, "loaded")]))
+
     return {tool: Slowdown(dtype, wall(tool, "quiet"), wall(tool, "loaded"),
-                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]), cores(tool), cpus)
+                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]), cores(tool), cpus, pairs(tool))
             for tool, dtype in cases}
 
 
@@ -418,10 +422,14 @@ def goals(args, results, floor_ratios, slowdowns) -> None:
             theirs = tools["llmcompressor"].ratio
             rows.append((f"slowdown under load <= llm-compressor's, {name}", f"{mine:.2f}x vs {theirs:.2f}x",
                          mine <= theirs))
+            spreads = tools["ptq"].spread(), tools["llmcompressor"].spread()
+            if all(spreads):  # how far apart the repeats lie: a verdict inside them is the machine's
+                rows.append((f"  (repeats: ptq {spreads[0]}, llm-compressor {spreads[1]})", "", None))
     rows += bits_rows(args.digests)
     print("\nGoals (issue 15)")
     for goal, measured, met in rows:
-        print(f"{goal:62} {measured:>24}  {'met' if met else 'NOT MET'}")
+        verdict = "" if met is None else "met" if met else "NOT MET"
+        print(f"{goal:62} {measured:>24}  {verdict}".rstrip())
 
 
 def parse_tokens(items: list[str]) -> dict[str, tuple[int, int]]:

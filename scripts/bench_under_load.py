@@ -89,10 +89,15 @@ class Slowdown:
     stolen: str  # the largest CPU share the hypervisor took during one of the runs, quiet or loaded
     cores: float  # quiet: CPU seconds over wall seconds (all its threads), median
     cpus: int  # cores of the machine, each with a busy process beside the loaded run
+    pairs: tuple[float, ...] = ()  # loaded / quiet of each repeat (a loaded run right after its quiet one)
 
     @property
     def ratio(self) -> float:
         return self.loaded / self.quiet
+
+    def spread(self) -> str:
+        """The repeats' slowdowns, lowest to highest ("1.88-2.01x"), or "" for one repeat."""
+        return f"{min(self.pairs):.2f}-{max(self.pairs):.2f}x" if len(self.pairs) > 1 else ""
 
     @property
     def fair(self) -> float:
