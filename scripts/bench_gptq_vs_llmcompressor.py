@@ -381,17 +381,8 @@ def loaded_runs(args, results, name: str) -> dict[str, Slowdown]:
         print(f"  {json.dumps(result)}", flush=True)
         runs.setdefault((tool, load), []).append(result)
 
-    def wall(tool: str, load: str) -> float:  # a run stopped for its time counts with that time
-        return statistics.median(r["wall"] for r in runs[(tool, load)])
-
-    def cores(tool: str) -> float:
-        return statistics.median(r.get("cpu", float("nan")) / r["wall"] for r in runs[(tool, "quiet")])
-
-    def pairs(tool: str) -> tuple[float, ...]:
-        return tuple(loaded["wall"] / quiet["wall"] for quiet, loaded in zip(runs[(tool, "quiet")], runs[(tool, "loaded")]))
-
-    return {tool: Slowdown(dtype, wall(tool, "quiet"), wall(tool, "loaded"),
-                           most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]), cores(tool), cpus, pairs(tool))
+    return {tool: Slowdown.of_runs(dtype, runs[(tool, "quiet")], runs[(tool, "loaded")],
+                                   most_stolen(runs[(tool, "quiet")] + runs[(tool, "loaded")]), cpus)
             for tool, dtype in cases}
 
 

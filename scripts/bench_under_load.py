@@ -95,6 +95,16 @@ class Slowdown:
     def ratio(self) -> float:
         return self.loaded / self.quiet
 
+    @classmethod
+    def of_runs(cls, dtype: str, quiet: list[dict], loaded: list[dict], stolen: str, cpus: int) -> Slowdown:
+        """A tool's Slowdown from its runs ({"wall", "cpu"}; loaded[i] right after quiet[i]): the
+        medians, the quiet runs' cores, each pair's slowdown. A run stopped for its time counts
+        with that time."""
+        cores = statistics.median(r.get("cpu", float("nan")) / r["wall"] for r in quiet)
+        pairs = tuple(after["wall"] / before["wall"] for before, after in zip(quiet, loaded))
+        return cls(dtype, statistics.median(r["wall"] for r in quiet), statistics.median(r["wall"] for r in loaded),
+                   stolen, cores, cpus, pairs)
+
     def spread(self) -> str:
         """The repeats' slowdowns, lowest to highest ("1.88-2.01x"), or "" for one repeat."""
         return f"{min(self.pairs):.2f}-{max(self.pairs):.2f}x" if len(self.pairs) > 1 else ""
