@@ -257,9 +257,10 @@ def stacked(modules: list[nn.Module], device: torch.device) -> tuple[Tensor, Ten
         return None
     if len({m.weight_scale.dtype for m in modules}) > 1 or len({m.bias is None for m in modules}) > 1:
         return None
-    weight = torch.empty(sum(m.out_features for m in modules), modules[0].in_features,
+    widths = [m.out_features for m in modules]
+    weight = torch.empty(sum(widths), modules[0].in_features,
                          dtype=modules[0].weight_scale.dtype, device=modules[0].weight_scale.device)
-    for m, rows in zip(modules, weight.split([m.out_features for m in modules])):
+    for m, rows in zip(modules, weight.split(widths)):
         m.dequantized_weight(out=rows)
     bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
     return weight, bias

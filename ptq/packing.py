@@ -128,10 +128,9 @@ def dequantize_packed(words: Tensor, bits: int, n: int, scale: Tensor, zero: Ten
     not [rows, groups] dividing n, or no compiled library."""
     rows = words.shape[0]
     applies = (
-        compiled.unavailable() is None and words.device.type == scale.device.type == "cpu"
-        and words.dtype == torch.int32
+        _compiled_for(words, torch.int32) and words.shape[1] == packed_width(n, bits) and scale.device.type == "cpu"
         and scale.dtype in (torch.float32, torch.bfloat16) and scale.dim() == 2 and scale.shape[0] == rows
-        and scale.shape[1] > 0 and n % scale.shape[1] == 0 and words.shape[1] == -(-n * bits // 32)
+        and scale.shape[1] > 0 and n % scale.shape[1] == 0
         and (zero is None or (zero.dtype == torch.int8 and zero.shape == scale.shape and zero.device.type == "cpu"))
         and (out is None or (out.shape == (rows, n) and out.dtype == scale.dtype and out.is_contiguous()))
     )
