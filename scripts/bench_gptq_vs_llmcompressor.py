@@ -29,8 +29,9 @@ Phases, each printing a table:
 3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
    here for its kind of operation (timed before and after the timed runs, the faster
    kept: a VM slowed while a rate is timed would raise the floor), against ptq's quantize
-   time, in all and by part; beside it transformers' plain forward of the same tokens: what
-   the glue between the Linears costs (the floor counts the Linears and attention only);
+   time, in all and by part (the Linears, attention with its softmax, the element-wise glue
+   between them, Hessians, solves); beside it the floors of earlier runs' definitions and
+   transformers' plain forward of the same tokens in place of the floor's forward;
 4. under load (--load-models: the bundled model and the SmolLM2-shaped one by default):
    ptq's GPTQ and llm-compressor's (at its faster dtype) with one busy process per core
    beside them (scripts/bench_under_load.busy_cores), each run right after a quiet one of
@@ -285,15 +286,17 @@ def floor_rates(args) -> Rates:
     return rates
 
 
-def model_floors(args, name: str, rates: Rates) -> tuple[Floor, Floor, SearchFloor | None]:
-    """The model's GPTQ floor, the same with LAPACK's and torch's rates alone for the solves,
-    and its AWQ search's floor where the run times AWQ on it."""
+def model_floors(args, name: str, rates: Rates) -> tuple[Floor, list[tuple[str, Floor]], SearchFloor | None]:
+    """The model's GPTQ floor; the floors of earlier runs' definitions, each with what it
+    left out; its AWQ search's floor where the run times AWQ on it."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
     floor = floor_of(config, *args.tokens[name], rates)
-    lax = floor_of(config, *args.tokens[name], rates, compiled_solves=False)
-    return floor, lax, awq_search_floor(config, rates, AWQ_GRID) if name in args.awq_models else None
+    earlier = [("without the glue and attention's softmax", floor_of(config, *args.tokens[name], rates, glue=False)),
+               ("also with LAPACK's and torch's rates alone for the solves",
+                floor_of(config, *args.tokens[name], rates, compiled_solves=False, glue=False))]
+    return floor, earlier, awq_search_floor(config, rates, AWQ_GRID) if name in args.awq_models else None
 
 
 def floor_table(args, results, rates: Rates) -> dict[str, float]:
@@ -304,20 +307,18 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
           "kernels included (scripts/bench_floor.py); each rate the faster of two timings, before and after "
           f"the timed runs ({len(moved)} of {len(rates.cache)} differed by more than 10%)")
     for name in args.models:
-        floor, lax, search = model_floors(args, name, rates)
+        floor, earlier, search = model_floors(args, name, rates)
         quantize = median(results.get((name, "ptq", "gptq", "auto"), []), "quantize")
         ratios[name] = quantize / floor.seconds
-        print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.1f} s; "
+        print(f"{name:8} {floor.tflop:6.2f} TFLOP: {floor.parts()} = {floor.seconds:.2f} s; "
               f"ptq quantize {quantize:.1f} s = {ratios[name]:.2f}x the floor")
         solves = median(results.get((name, "ptq", "gptq", "auto"), []), "gptq")
         passes, least = quantize - solves, floor.forward + floor.hessians
         print(f"{'':8} by part: the solves {solves:.2f} s against their floor's {floor.solves:.2f} s "
               f"({solves / floor.solves:.2f}x); the rest, the passes (forward, Hessians, glue, bookkeeping), "
-              f"{passes:.2f} s against the floor's forward and Hessians {least:.2f} s ({passes / least:.2f}x)")
-        if lax.seconds != floor.seconds:
-            print(f"{'':8} with LAPACK's and torch's rates alone for the solves (the floor of runs before "
-                  f"ptq's compiled factorisation and GEMM): {lax.parts()} = {lax.seconds:.1f} s, "
-                  f"ptq {quantize / lax.seconds:.2f}x that")
+              f"{passes:.2f} s against the floor's forward, glue and Hessians {least:.2f} s ({passes / least:.2f}x)")
+        print(f"{'':8} the floors of earlier runs: " + "; ".join(
+            f"{what}: {e.seconds:.2f} s, ptq {quantize / e.seconds:.2f}x that" for what, e in earlier))
         plain = transformers_forward(args.paths[name][0], torch.load(args.paths[name][1], weights_only=True))
         with_glue = floor.seconds - floor.forward + plain
         print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
@@ -330,7 +331,8 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
                   f"({measured / search.seconds:.2f}x); GPTQ solves: {floor.solves_tflop:.3f} TFLOP, "
                   f"{floor.solves:.2f} s at least, measured {solves:.2f} s: the search's floor is "
                   f"{search.seconds / solves:.2f}x the solves' measured time")
-    print("rates measured, GFLOP/s: " + ", ".join(f"{k[0]}{list(k[1:])} {v:.0f}" for k, v in rates.cache.items()))
+    print("rates measured, GFLOP/s (elementwise and rotary: G elements/s): "
+          + ", ".join(f"{k[0]}{list(k[1:])} {v:.4g}" for k, v in rates.cache.items()))
     return ratios
 
 
