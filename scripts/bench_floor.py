@@ -1,8 +1,8 @@
-"""The least time a GPTQ W4A16 job can take on this machine: every FLOP at its measured rate.
+"""The least time a GPTQ W4A16 job can take on this machine: all its work at measured rates.
 
 Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibration token:
 
-- forward: one pass of the block's Linears (q, k, v, o, gate, up, down), in the compute
+- Linears: one pass of the block's Linears (q, k, v, o, gate, up, down), in the compute
   dtype ptq picks here, at that dtype's GEMM rate on the model's own shapes;
 - attention: its products over the keys at or before each query ((seq + 1) / 2 on
   average: causal attention needs no more, and ptq's compiled attention computes about
@@ -10,7 +10,8 @@ Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibrati
   torch's scaled_dot_product_attention and ptq's compiled attention on one batch;
 - glue: the element-wise work between the Linears, each kind at the rate of the faster of
   torch's op and ptq's compiled one on one batch: two RMSNorms and two residual adds of the
-  hidden state, rotary embeddings of the queries and keys, the SiLU-gated product;
+  hidden state, rotary embeddings of the queries and keys, the SiLU-gated product (the
+  forward: these three parts);
 - Hessians: the four shared Hessians (q/k/v, o, gate/up, down), blocks on and above the
   diagonal as ptq accumulates them, to float32 accuracy: at the float32 GEMM rate, or at
   the bf16 rate where ptq multiplies bf16 values in bf16 with float32 sums (oneDNN's

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from ptq import cpu_mlp, cpu_rotary
 from ptq.calibration.memo import Batch, Memo, memoized
 from ptq.calibration.observers import Observer
+from ptq.devices import cpu_budget, cpu_threads
 from ptq.calibration.runner import (BlockRun, Inputs, _hidden, _hidden_of, _StopForward, _with_hidden,
                                    run_until_stopped)
 from ptq.modules import cached_weight, stacked
@@ -107,8 +108,9 @@ class Stages:
 
 @torch.no_grad()
 def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
-    """Group the Linears by one forward pass of the first batch through the block, and
-    note which submodules return a Linear's output as it is (self_attn returns o_proj's)."""
+    """Group the Linears by one forward pass of the first batch's first sample through the
+    block (on every core ptq may use: it runs alone, and its outputs are dropped), and note
+    which submodules return a Linear's output as it is (self_attn returns o_proj's)."""
     calls: list[tuple[str, Tensor]] = []
     outputs: dict[str, object] = {}
     handles = [
@@ -120,8 +122,9 @@ def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
             lambda _m, _a, out, name=name: outputs.setdefault(name, out)
         ))
     try:
-        args, kwargs = run.inputs[0]
-        run.block(*args, **kwargs)
+        args, kwargs = _first_sample(*run.inputs[0])
+        with cpu_threads(cpu_budget()):
+            run.block(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -138,6 +141,23 @@ def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
     once = len(calls) == len({name for name, _ in calls})
     missing = [n for n in linears if not any(n in stage for stage in stages)]
     return Stages(stages, missing, once, _returned_linears(outputs, linears))
+
+
+def _first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's inputs for a batch, cut to its first sample: every tensor of two or more
+    dimensions whose first is the batch's samples (the hidden states, a padding mask,
+    per-sample positions); all as given where the samples are as many as the positions (a
+    [positions, dim] table could not be told from a per-sample one)."""
+    samples, positions = _hidden_of(args, kwargs).shape[:2]
+    if samples in (1, positions):
+        return args, kwargs
+
+    def first(value):
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == samples:
+            return value[:1]
+        return tuple(first(v) for v in value) if isinstance(value, tuple) else value
+
+    return first(args), {k: first(v) for k, v in kwargs.items()}
 
 
 def _returned_linears(outputs: dict[str, object], linears: dict[str, nn.Linear]) -> dict[str, tuple[str, int]]:

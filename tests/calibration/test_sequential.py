@@ -291,3 +291,44 @@ def test_a_claimed_output_comes_back_at_the_first_call_of_each_later_pass_until_
     batch.begin(0, (block_input,), {})
     kept = memo.claimed[0][0]
     assert memo(torch.ones(3)) is kept and memo.claimed[0] is None  # the final pass takes it for good
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "opt"])
+def test_the_probe_pass_runs_one_sample_and_finds_the_stages_the_whole_batch_does(family, monkeypatch):
+    from ptq.calibration import sequential
+
+    model = tiny_model(family, dtype=torch.float32)
+    path, _ = find_blocks(model)
+    found, samples = {}, []
+
+    class Done(Exception):
+        pass
+
+    def process(run):
+        linears = {n: m for n, m in run.block.named_modules() if isinstance(m, nn.Linear)}
+        first = next(iter(linears.values())).register_forward_pre_hook(lambda _m, args: samples.append(len(args[0])))
+        found["one"] = execution_stages(run, linears)
+        with monkeypatch.context() as m:
+            m.setattr(sequential, "_first_sample", lambda args, kwargs: (args, kwargs))
+            found["all"] = execution_stages(run, linears)
+        first.remove()
+        raise Done  # the first block tells all
+
+    ids = torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Done):
+        run_blocks(model, path, ids, process, device=torch.device("cpu"), batch_size=2, show_progress=False)
+    assert samples == [1, 2]  # the probe's sample, then the whole batch of 2
+    assert found["one"] == found["all"] and len(found["one"].stages) >= 4
+
+
+def test_a_batch_is_cut_to_its_first_sample_only_where_samples_and_positions_differ():
+    from ptq.calibration.sequential import _first_sample
+
+    hidden, table = torch.randn(3, 5, 8), torch.randn(5, 4)  # [samples, positions, dim], [positions, dim]
+    mask, positions = torch.ones(3, 1, 5, 5), torch.arange(5)[None]  # per sample; shared ([1, positions])
+    args, kwargs = _first_sample((hidden,), {"mask": mask, "rotary": (table, positions), "flag": True})
+    assert args[0].shape == (1, 5, 8) and kwargs["mask"].shape == (1, 1, 5, 5) and kwargs["flag"] is True
+    assert kwargs["rotary"][0] is table and kwargs["rotary"][1] is positions
+    square = torch.randn(5, 5, 8)  # as many samples as positions: a [positions, dim] table would look per-sample
+    args, kwargs = _first_sample((square,), {"rotary": (torch.randn(5, 4),)})
+    assert args[0] is square and kwargs["rotary"][0].shape == (5, 4)
