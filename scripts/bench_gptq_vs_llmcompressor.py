@@ -303,8 +303,9 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
     """Print each model's floor and ptq's quantize time against it; return model -> ratio."""
     moved = rates.remeasure()
     ratios = {}
-    print("\nFloor: every FLOP of the GPTQ job at the best rate measured here for its kind, ptq's compiled "
-          "kernels included (scripts/bench_floor.py); each rate the faster of two timings, before and after "
+    print("\nFloor: all the GPTQ job's work (its FLOPs, the glue's elements) at the best rate measured here for "
+          "its kind, ptq's compiled kernels included (scripts/bench_floor.py); each rate the faster of two timings, "
+          "before and after "
           f"the timed runs ({len(moved)} of {len(rates.cache)} differed by more than 10%)")
     for name in args.models:
         floor, earlier, search = model_floors(args, name, rates)
