@@ -145,7 +145,7 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
         # bmm 840 to 900; on 512-token samples of 64-wide heads the bmm is the slower)
         attention_rate = max(rates.gemm(seq, head, seq, dtype), rates.bmm(heads * batch, seq, head, seq, dtype))
     attention = attention_flops / attention_rate
-    glue_seconds = tokens * layers * glue_per_token(config, rates, batch * seq, batch, seq, dtype) if glue else 0.0
+    glue_seconds = tokens * layers * glue_per_token(config, rates, batch, seq, dtype) if glue else 0.0
     flops = 2 * tokens * layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + attention_flops
 
     def tiles(n: int) -> bool:  # ptq sums bf16 inputs with its compiled Gram kernel here
@@ -176,15 +176,15 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
                  (flops + solve_flops) / 1e12, solve_flops / 1e12)
 
 
-def glue_per_token(config, rates: Rates, rows: int, batch: int, seq: int, dtype: torch.dtype) -> float:
+def glue_per_token(config, rates: Rates, batch: int, seq: int, dtype: torch.dtype) -> float:
     """Seconds of the glue per token and block (see the module's docstring), each kind at the
-    faster of torch's and ptq's rate on one batch of rows = batch x seq tokens."""
+    faster of torch's and ptq's rate on one batch of batch x seq tokens."""
     h, i = config.hidden_size, config.intermediate_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head = getattr(config, "head_dim", None) or h // heads
 
     def best(kind: str, n: int) -> float:
-        return max(rates.elementwise(kind, tool, rows, n, dtype) for tool in ("torch", "ptq"))
+        return max(rates.elementwise(kind, tool, batch * seq, n, dtype) for tool in ("torch", "ptq"))
 
     rotary = max(rates.rotary(tool, batch, heads, seq, head, dtype) for tool in ("torch", "ptq"))
     return (2 * h / best("norm", h) + 2 * h / best("add", h) + i / best("silu_mul", i)

@@ -26,7 +26,7 @@ Phases, each printing a table:
    output, as llm-compressor; linear: the balance Linears' own outputs, from Gram
    matrices) beside its GPTQ solves on the same model, and llm-compressor's AWQ (which
    on a CPU may raise: its error line is the row);
-3. the floor (scripts/bench_floor.py): every FLOP of the GPTQ job at the rate measured
+3. the floor (scripts/bench_floor.py): all the GPTQ job's work at the best rate measured
    here for its kind of operation (timed before and after the timed runs, the faster
    kept: a VM slowed while a rate is timed would raise the floor), against ptq's quantize
    time, in all and by part (the Linears, attention with its softmax, the element-wise glue
@@ -321,10 +321,10 @@ def floor_table(args, results, rates: Rates) -> dict[str, float]:
         print(f"{'':8} the floors of earlier runs: " + "; ".join(
             f"{what}: {e.seconds:.2f} s, ptq {quantize / e.seconds:.2f}x that" for what, e in earlier))
         plain = transformers_forward(args.paths[name][0], torch.load(args.paths[name][1], weights_only=True))
-        with_glue = floor.seconds - floor.forward + plain
+        with_plain = floor.seconds - floor.forward + plain
         print(f"{'':8} a plain forward pass in transformers of the same tokens (ptq's batches, side by side): "
               f"{plain:.2f} s, {plain / floor.forward:.1f}x the floor's forward; with it in place of the "
-              f"floor's, the floor would be {with_glue:.1f} s and ptq's quantize {quantize / with_glue:.2f}x that")
+              f"floor's, the floor would be {with_plain:.1f} s and ptq's quantize {quantize / with_plain:.2f}x that")
         if search is not None and (name, "ptq", "awq-linear", "auto") in results:
             measured = median(results[(name, "ptq", "awq-linear", "auto")], "awq")
             print(f"{'':8} AWQ search (linear loss): {search.tflop:.2f} TFLOP ({AWQ_GRID + 1} candidates' "

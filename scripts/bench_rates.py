@@ -36,7 +36,8 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, min_seconds: float 
 
 
 class Rates:
-    """GFLOP/s of each kind of operation, measured here on given shapes, cached.
+    """GFLOP/s of each kind of operation (G elements/s of the element-wise ones), measured
+    here on given shapes, cached.
 
     remeasure() times every cached one again and keeps the faster of the two: a rate timed
     while the VM was slowed for a moment raises the floor (one run measured 196 and 200

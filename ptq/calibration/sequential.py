@@ -42,9 +42,9 @@ from torch import Tensor, nn
 from ptq import cpu_mlp, cpu_rotary
 from ptq.calibration.memo import Batch, Memo, memoized
 from ptq.calibration.observers import Observer
-from ptq.devices import cpu_budget, cpu_threads
 from ptq.calibration.runner import (BlockRun, Inputs, _hidden, _hidden_of, _StopForward, _with_hidden,
                                    run_until_stopped)
+from ptq.devices import cpu_budget, cpu_threads
 from ptq.modules import cached_weight, stacked
 
 
