@@ -121,10 +121,19 @@ def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
         handles.append(run.block.get_submodule(name).register_forward_hook(
             lambda _m, _a, out, name=name: outputs.setdefault(name, out)
         ))
+    whole = run.inputs[0]
+    one = _first_sample(*whole)
     try:
-        args, kwargs = _first_sample(*run.inputs[0])
         with cpu_threads(cpu_budget()):
-            run.block(*args, **kwargs)
+            try:
+                args, kwargs = one or whole
+                run.block(*args, **kwargs)
+            except Exception:
+                if one is None:  # not cut: the block's own error
+                    raise
+                calls.clear()  # a per-sample input the cut could not see (inside an object): the whole batch
+                outputs.clear()
+                run.block(*whole[0], **whole[1])
     finally:
         for handle in handles:
             handle.remove()
@@ -143,19 +152,22 @@ def execution_stages(run: BlockRun, linears: dict[str, nn.Linear]) -> Stages:
     return Stages(stages, missing, once, _returned_linears(outputs, linears))
 
 
-def _first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """A block's inputs for a batch, cut to its first sample: every tensor of two or more
     dimensions whose first is the batch's samples (the hidden states, a padding mask,
-    per-sample positions); all as given where the samples are as many as the positions (a
-    [positions, dim] table could not be told from a per-sample one)."""
+    per-sample positions), in tuples, lists and dicts too; None (no cut) where the batch is
+    one sample, or as many samples as positions (a [positions, dim] table could not be told
+    from a per-sample one)."""
     samples, positions = _hidden_of(args, kwargs).shape[:2]
     if samples in (1, positions):
-        return args, kwargs
+        return None
 
     def first(value):
         if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == samples:
             return value[:1]
-        return tuple(first(v) for v in value) if isinstance(value, tuple) else value
+        if type(value) in (tuple, list):
+            return type(value)(first(v) for v in value)
+        return {k: first(v) for k, v in value.items()} if type(value) is dict else value
 
     return first(args), {k: first(v) for k, v in kwargs.items()}
 

@@ -309,7 +309,7 @@ def test_the_probe_pass_runs_one_sample_and_finds_the_stages_the_whole_batch_doe
         first = next(iter(linears.values())).register_forward_pre_hook(lambda _m, args: samples.append(len(args[0])))
         found["one"] = execution_stages(run, linears)
         with monkeypatch.context() as m:
-            m.setattr(sequential, "_first_sample", lambda args, kwargs: (args, kwargs))
+            m.setattr(sequential, "_first_sample", lambda args, kwargs: None)
             found["all"] = execution_stages(run, linears)
         first.remove()
         raise Done  # the first block tells all
@@ -330,5 +330,32 @@ def test_a_batch_is_cut_to_its_first_sample_only_where_samples_and_positions_dif
     assert args[0].shape == (1, 5, 8) and kwargs["mask"].shape == (1, 1, 5, 5) and kwargs["flag"] is True
     assert kwargs["rotary"][0] is table and kwargs["rotary"][1] is positions
     square = torch.randn(5, 5, 8)  # as many samples as positions: a [positions, dim] table would look per-sample
-    args, kwargs = _first_sample((square,), {"rotary": (torch.randn(5, 4),)})
-    assert args[0] is square and kwargs["rotary"][0].shape == (5, 4)
+    assert _first_sample((square,), {"rotary": (torch.randn(5, 4),)}) is None
+    assert _first_sample((), {"hidden_states": hidden[:1], "mask": mask}) is None  # one sample: nothing to cut
+    args, kwargs = _first_sample((), {"hidden_states": hidden, "extra": [mask], "more": {"mask": mask}})
+    assert args == () and kwargs["hidden_states"].shape[0] == 1  # in lists and dicts too
+    assert kwargs["extra"][0].shape[0] == 1 and kwargs["more"]["mask"].shape[0] == 1
+
+
+def test_a_probe_the_cut_breaks_runs_the_whole_batch_instead():
+    # a per-sample input inside an object the cut does not open: the one-sample probe
+    # fails on it, and the probe runs again on the whole batch, finding the same stages
+    class Held:
+        def __init__(self, t):
+            self.t = t
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(16, 8)
+            self.samples = []
+
+        def forward(self, x, held=None):
+            self.samples.append(len(x))
+            return self.b(torch.cat([self.a(x), held.t], dim=-1))  # the held tensor's samples must match x's
+
+    block, x = Block(), torch.randn(3, 5, 8)
+    run = types.SimpleNamespace(block=block, inputs=[((x,), {"held": Held(torch.randn(3, 5, 8))})])
+    order = execution_stages(run, {"a": block.a, "b": block.b})
+    assert block.samples == [1, 3]  # the cut probe failed on the held tensor; the whole batch ran
+    assert order.stages == [["a"], ["b"]] and order.called_once and order.returns == {}
