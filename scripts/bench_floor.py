@@ -126,8 +126,7 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
     from ptq.devices import bf16_valued_gemms_exact, compute_dtype_for
 
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head = getattr(config, "head_dim", None) or h // heads
+    heads, kv_heads, head = attention_heads(config)
     q, kv = heads * head, kv_heads * head
     tokens = samples * seq
     dtype = compute_dtype_for("cpu", torch.bfloat16)
@@ -180,8 +179,7 @@ def glue_per_token(config, rates: Rates, batch: int, seq: int, dtype: torch.dtyp
     """Seconds of the glue per token and block (see the module's docstring), each kind at the
     faster of torch's and ptq's rate on one batch of batch x seq tokens."""
     h, i = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head = getattr(config, "head_dim", None) or h // heads
+    heads, kv_heads, head = attention_heads(config)
 
     def best(kind: str, n: int) -> float:
         return max(rates.elementwise(kind, tool, batch * seq, n, dtype) for tool in ("torch", "ptq"))
@@ -194,9 +192,15 @@ def glue_per_token(config, rates: Rates, batch: int, seq: int, dtype: torch.dtyp
 def solved_weights(config) -> list[tuple[int, int]]:
     """[out, in] of each weight GPTQ solves in a block: q/k/v stacked, o, gate/up stacked, down."""
     h, i = config.hidden_size, config.intermediate_size
-    head = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    heads, kv_heads, head = attention_heads(config)
+    q, kv = heads * head, kv_heads * head
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def attention_heads(config) -> tuple[int, int, int]:
+    """Query heads, key-value heads and the head dimension of a transformers config."""
+    heads = config.num_attention_heads
+    return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def awq_balanced_weights(config) -> list[tuple[int, int]]:

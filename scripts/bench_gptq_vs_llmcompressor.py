@@ -292,10 +292,10 @@ def model_floors(args, name: str, rates: Rates) -> tuple[Floor, list[tuple[str, 
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
-    floor = floor_of(config, *args.tokens[name], rates)
-    earlier = [("without the glue and attention's softmax", floor_of(config, *args.tokens[name], rates, glue=False)),
-               ("also with LAPACK's and torch's rates alone for the solves",
-                floor_of(config, *args.tokens[name], rates, compiled_solves=False, glue=False))]
+    of = functools.partial(floor_of, config, *args.tokens[name], rates)
+    floor = of()
+    earlier = [("without the glue and attention's softmax", of(glue=False)),
+               ("also with LAPACK's and torch's rates alone for the solves", of(compiled_solves=False, glue=False))]
     return floor, earlier, awq_search_floor(config, rates, AWQ_GRID) if name in args.awq_models else None
 
 

@@ -218,23 +218,26 @@ class Rates:
         Linears on [rows, n] tensors of dtype: kind "norm" (RMSNorm with a weight), "add" (a
         residual add) or "silu_mul" (silu(gate) · up); tool "torch" (F.rms_norm, +,
         F.silu(gate) * up) or "ptq" (its compiled norm and product: ptq.cpu_norm, ptq.cpu_mlp),
-        0 where ptq's does not run on these tensors here (bf16 on AVX-512 only)."""
+        0 where ptq's does not run on such tensors here (bf16 on AVX-512 only)."""
         from ptq import cpu_mlp, cpu_norm
 
-        x, y = torch.randn(rows, n).to(dtype), torch.randn(rows, n).to(dtype)
-        weight = torch.rand(n).to(dtype) + 0.5
-        ops = {
-            ("norm", "torch"): lambda: torch.nn.functional.rms_norm(x, (n,), weight, 1e-6),
-            ("norm", "ptq"): lambda: cpu_norm.rms_norm(x, weight, 1e-6),
-            ("add", "torch"): lambda: x + y,
-            ("silu_mul", "torch"): lambda: torch.nn.functional.silu(x) * y,
-            ("silu_mul", "ptq"): lambda: cpu_mlp.silu_mul(x, y),
-        }
-        runs = dtype == torch.bfloat16 and {
-            "norm": lambda: cpu_norm.lanes() is not None, "silu_mul": lambda: cpu_mlp.silu_mul(x, y) is not None}
-        if tool == "ptq" and not (runs and kind in runs and runs[kind]()):
+        probe = torch.zeros(1, n, dtype=dtype)  # [1, n]: whether ptq's code takes such rows
+        runs = {"norm": lambda: cpu_norm.lanes() is not None,
+                "silu_mul": lambda: cpu_mlp.silu_mul(probe, probe) is not None}
+        if tool == "ptq" and not (dtype == torch.bfloat16 and kind in runs and runs[kind]()):
             return 0.0
-        return self._rate(("elementwise", kind, tool, rows, n, dtype), rows * n, lambda: ops[kind, tool])
+
+        def make():
+            x, y = torch.randn(rows, n).to(dtype), torch.randn(rows, n).to(dtype)
+            weight = torch.rand(n).to(dtype) + 0.5
+            return {
+                ("norm", "torch"): lambda: torch.nn.functional.rms_norm(x, (n,), weight, 1e-6),
+                ("norm", "ptq"): lambda: cpu_norm.rms_norm(x, weight, 1e-6),
+                ("add", "torch"): lambda: x + y,
+                ("silu_mul", "torch"): lambda: torch.nn.functional.silu(x) * y,
+                ("silu_mul", "ptq"): lambda: cpu_mlp.silu_mul(x, y),
+            }[kind, tool]
+        return self._rate(("elementwise", kind, tool, rows, n, dtype), rows * n, make)
 
     def rotary(self, tool: str, batch: int, heads: int, seq: int, dim: int, dtype: torch.dtype) -> float:
         """G elements/s of rotary embeddings, x · cos + rotate_half(x) · sin as transformers'
@@ -242,18 +245,18 @@ class Rates:
         code) or "ptq" (ptq.cpu_rotary), 0 where ptq's does not run here."""
         from ptq import cpu_rotary
 
-        x = torch.randn(batch, heads, seq, dim).to(dtype)
-        cos, sin = torch.randn(1, seq, dim).to(dtype), torch.randn(1, seq, dim).to(dtype)
-        if tool == "ptq" and cpu_rotary.rotary(x, cos, sin) is None:
+        if tool == "ptq" and cpu_rotary.rotary(torch.zeros(1, 1, 1, dim, dtype=dtype),
+                                               *torch.zeros(2, 1, 1, dim, dtype=dtype)) is None:
             return 0.0
 
-        def own():
+        def make():
+            x = torch.randn(batch, heads, seq, dim).to(dtype)
+            cos, sin = torch.randn(1, seq, dim).to(dtype), torch.randn(1, seq, dim).to(dtype)
+            if tool == "ptq":
+                return lambda: cpu_rotary.rotary(x, cos, sin)
             half = dim // 2
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-        op = own if tool == "torch" else lambda: cpu_rotary.rotary(x, cos, sin)
-        return self._rate(("rotary", tool, batch, heads, seq, dim, dtype), x.numel(), lambda: op)
+            return lambda: x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
+        return self._rate(("rotary", tool, batch, heads, seq, dim, dtype), batch * heads * seq * dim, make)
 
     def attention(self, tool: str, batch: int, heads: int, kv_heads: int, seq: int, dim: int,
                   dtype: torch.dtype) -> float:
@@ -266,13 +269,14 @@ class Rates:
 
         if tool == "ptq" and not (cpu_attention.available(dtype) and dim % cpu_attention.HEAD_MULTIPLE[dtype] == 0):
             return 0.0
-        q = torch.randn(batch, heads, seq, dim).to(dtype)
-        k, v = torch.randn(batch, kv_heads, seq, dim).to(dtype), torch.randn(batch, kv_heads, seq, dim).to(dtype)
-        scale = dim**-0.5
-        ops = {
-            "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=heads != kv_heads),
-            "ptq": lambda: cpu_attention.causal_attention(q, k, v, scale),
-        }
+
+        def make():
+            q = torch.randn(batch, heads, seq, dim).to(dtype)
+            k, v = torch.randn(batch, kv_heads, seq, dim).to(dtype), torch.randn(batch, kv_heads, seq, dim).to(dtype)
+            scale = dim**-0.5
+            if tool == "ptq":
+                return lambda: cpu_attention.causal_attention(q, k, v, scale)
+            return lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=heads != kv_heads)
         flops = 2 * batch * heads * seq * (seq + 1) * dim  # two products, (seq + 1) / 2 keys a query
-        return self._rate(("attention", tool, batch, heads, kv_heads, seq, dim, dtype), flops, lambda: ops[tool])
+        return self._rate(("attention", tool, batch, heads, kv_heads, seq, dim, dtype), flops, make)
