@@ -54,6 +54,12 @@ AVX512 static int64_t silu_mul_avx512(const uint16_t *g, const uint16_t *u, cons
 }
 #endif
 
+/* Rows of g and u are asked into the cache this many rows ahead: the gathers from the table
+   hold up the loads behind them, so without it few cache misses were in flight and the
+   product of activations that had left the cache ran at 0.8 G values/s on a Xeon (AMX) VM,
+   against 3 with them in cache. */
+enum { AHEAD = 4 };
+
 /* y = bf16(silu[g] · u) over rows of n bf16 values (see the header), row r of g, u and y
    at r·gstride, r·ustride and r·n values (g and u may be column slices of one wider
    tensor: gate/up computed in one GEMM); silu: 65537 bf16 values, the SiLU of every bf16
@@ -65,6 +71,11 @@ int64_t ptq_silu_mul_bf16(const uint16_t *g, int64_t gstride, const uint16_t *u,
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gr = g + r * gstride, *ur = u + r * ustride;
         uint16_t *yr = y + r * n;
+        if (r + AHEAD < rows) /* see AHEAD */
+            for (int64_t k = 0; k < n; k += 32) {
+                __builtin_prefetch(gr + AHEAD * gstride + k);
+                __builtin_prefetch(ur + AHEAD * ustride + k);
+            }
 #if HAS_AVX512
         if (!portable && __builtin_cpu_supports("avx512f")) {
             odd += silu_mul_avx512(gr, ur, silu, n, yr);
