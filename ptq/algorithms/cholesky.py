@@ -87,23 +87,31 @@ def damp_schedule(damp: float) -> list[float]:
     return steps
 
 
-def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None) -> tuple[Tensor | None, float, str | None]:
+def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None, order: Tensor | None = None,
+                     diagonal: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
     """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
 
     H is the reversed matrix J H J (gptq._reversed_copy), a float32 copy this function
-    factors in place. Returns (Hinv, λ, None), or (None, λ, reason) when no λ works.
-    threads: how many threads may share the work (cpu_budget() by default); the bits do
-    not depend on it.
+    factors in place; or, where takes_order(H), the symmetric matrix as it is with the
+    order [in] to take its rows and columns in (H[order][:, order]: GPTQ's reversed order),
+    which the compiled factorisation follows as it copies H in (no reordered copy first;
+    H not changed). diagonal [in]: the diagonal to factor with in place of the (reordered)
+    matrix's own (GPTQ's, dead inputs pinned to 1). Returns (Hinv, λ, None), or
+    (None, λ, reason) when no λ works. threads: how many threads may share the work
+    (cpu_budget() by default); the bits do not depend on it.
     """
+    assert order is None or takes_order(H), "only the compiled factorisation takes an order (takes_order)"
     if not bool(torch.isfinite(H.sum())):  # a NaN or inf anywhere makes the sum one
         return None, damp, "the Hessian has non-finite entries"
-    base = H.diagonal().clone()  # [in]
+    if diagonal is None:
+        diagonal = H.diagonal() if order is None else H.diagonal()[order]
+    base = diagonal.clone()  # [in]
     mean = base.mean()
     if not bool(mean > 0):
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
     threads = cpu_budget() if threads is None else threads
     if on_one_thread(H):
-        return _inverse_cholesky_small(H, base, mean, damp, threads)
+        return _inverse_cholesky_small(H, base, mean, damp, threads, order)
     # the blocks' operations run side by side on one thread each (_parallel); between them
     # the copies and small steps run on this thread alone: on two threads each would first
     # wake torch's other OpenMP thread, asleep since the last (a VM's idle core wakes late)
@@ -135,15 +143,22 @@ def _compiled(H: Tensor) -> bool:
     return H.dtype == torch.float32 and H.shape[0] <= compiled_rows()
 
 
-def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int
-                            ) -> tuple[Tensor | None, float, str | None]:
+def takes_order(H: Tensor) -> bool:
+    """Whether inverse_cholesky takes H with an order to follow (the compiled factorisation
+    factors it, which reorders as it copies H in)."""
+    return on_one_thread(H) and _compiled(H)
+
+
+def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int,
+                            order: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
     """inverse_cholesky where on_one_thread says so: the compiled factorisation where it
     runs (compiled_rows; its Cholesky's updates shared by `threads` from
     compiled.CHOLESKY_ROWS rows up, its inverse's columns shared by
     `threads` from compiled.INVERSE_ROWS rows up), else LAPACK's Cholesky and triangular
-    inverse on one thread (H is not changed: the damped matrix is a copy)."""
+    inverse on one thread (H is not changed: the damped matrix is a copy). order: as
+    inverse_cholesky's (the compiled factorisation only)."""
     if _compiled(H):
-        inverse_of = functools.partial(compiled.inverse_cholesky, threads=threads)
+        inverse_of = functools.partial(compiled.inverse_cholesky, threads=threads, order=order)
     else:
         inverse_of = _lapack_inverse_cholesky
     for lam in damp_schedule(damp):

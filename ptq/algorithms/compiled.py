@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 18  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 19  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -104,9 +104,9 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gemm_subtract.restype = ctypes.c_int
     lib.ptq_gemm_subtract.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _I, _I]
     lib.ptq_cholesky_padded.restype = ctypes.c_int
-    lib.ptq_cholesky_padded.argtypes = [_P, _I, _I, _P, _P, _C]
+    lib.ptq_cholesky_padded.argtypes = [_P, _I, _I, _P, _P, _P, _C]
     lib.ptq_cholesky_copy.restype = ctypes.c_int
-    lib.ptq_cholesky_copy.argtypes = [_P, _I, _I, _P, _P]
+    lib.ptq_cholesky_copy.argtypes = [_P, _I, _I, _P, _P, _P]
     lib.ptq_cholesky_shared.restype = ctypes.c_int
     lib.ptq_cholesky_shared.argtypes = [_P, _I, _P, _P]
     lib.ptq_cholesky_scratch.restype = None
@@ -329,11 +329,13 @@ def cholesky_scratch(padded: int) -> tuple[Tensor, Tensor]:
     return torch.empty(int(sizes[0])), torch.zeros(int(sizes[1]), dtype=torch.int64)
 
 
-def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1) -> Tensor | None:
+def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
+                     order: Tensor | None = None) -> Tensor | None:
     """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
-    CPU, its lower triangle read) with its diagonal replaced by diag [n] (linalg.c;
-    linalg_available must have said yes); None when that matrix is not positive definite
-    or L⁻¹ is not finite. From CHOLESKY_ROWS rows up the Cholesky's updates (rows of 8, a
+    CPU, its lower triangle read), or with an order [n] of H[order][:, order] taken as it
+    is copied in (H symmetric: both triangles read), with its diagonal replaced by diag [n]
+    (linalg.c; linalg_available must have said yes); None when that matrix is not positive
+    definite or L⁻¹ is not finite. From CHOLESKY_ROWS rows up the Cholesky's updates (rows of 8, a
     block column at a time) and from INVERSE_ROWS rows L⁻¹'s tiles of columns are shared by
     up to `threads` threads (cpu_parallel), each piece the same bits whichever thread
     computes it; below, it all runs on this thread. One 1536-row Cholesky on the 2-core
@@ -343,16 +345,17 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"
     lib = library()[0]
     H = H if H.stride(1) == 1 else H.contiguous()
-    diag = diag.contiguous()
+    diag, R = diag.contiguous(), _indices(order, n)
     padded = -(-n // 32) * 32  # n rounded up to linalg.c's BLOCK
     A = torch.empty(padded, padded, dtype=torch.float32)
     if threads > 1 and padded >= CHOLESKY_ROWS and not narrow and linalg_kind() == "AVX-512":
-        status = lib.ptq_cholesky_copy(H.data_ptr(), n, H.stride(0), diag.data_ptr(), A.data_ptr())
+        status = lib.ptq_cholesky_copy(H.data_ptr(), n, H.stride(0), _pointer(R), diag.data_ptr(), A.data_ptr())
         P, state = cholesky_scratch(padded)
         shared = functools.partial(lib.ptq_cholesky_shared, A.data_ptr(), padded, P.data_ptr(), state.data_ptr())
         status = status or max(cpu_parallel([shared] * threads, threads))
     else:
-        status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), diag.data_ptr(), A.data_ptr(), int(narrow))
+        status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), _pointer(R), diag.data_ptr(), A.data_ptr(),
+                                         int(narrow))
     if status == 3:
         raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")
     assert status != 4, "the compiled Cholesky needs AVX-512, or AVX2 and FMA"
@@ -405,11 +408,15 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     if out.numel() == 0:
         return out
     copy = getattr(lib, _TRANSPOSES[src.element_size(), out.element_size()])
-    pointers = (src.data_ptr(), src.stride(0), None if R is None else R.data_ptr(),
-                None if C is None else C.data_ptr())
+    pointers = (src.data_ptr(), src.stride(0), _pointer(R), _pointer(C))
     cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr()) for i0, i1 in _ranges(ni, out.numel())],
                  cpu_budget())
     return out
+
+
+def _pointer(t: Tensor | None) -> int | None:
+    """t's data pointer for the C code, None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
 
 
 def _indices(index: Tensor | None, size: int) -> Tensor | None:

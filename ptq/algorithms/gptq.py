@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread
+from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread, takes_order
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
 from ptq.devices import cpu_budget, cpu_parallel, cpu_threads, float32_gemms
@@ -99,11 +99,16 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
         perm = torch.argsort(diag, descending=True, stable=True)  # [in]
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
-    Hr = _reversed_copy(H, order, dead)
     threads = cpu_budget()  # read here: inside cpu_parallel below the factorisation would see 1
-    factor = functools.partial(inverse_cholesky, Hr, damp, threads)  # -> Hinv [in, in] upper, damp, failure
+    if takes_order(H):  # the compiled factorisation reverses H as it copies it in: no reversed copy first
+        reverse = order.flip(0)
+        factor = functools.partial(inverse_cholesky, H.detach(), damp, threads, order=reverse,
+                                   diagonal=diag[reverse])
+    else:
+        factor = functools.partial(inverse_cholesky, _reversed_copy(H, order, dead), damp, threads)
+    # factor() -> Hinv [in, in] upper, damp, failure
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
-    if on_one_thread(Hr) and threads > 1:  # the working copy is made beside the factorisation
+    if on_one_thread(H) and threads > 1:  # the working copy is made beside the factorisation
         (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
     else:
         (Hinv, used_damp, reason), working = factor(), None
@@ -163,7 +168,8 @@ def _check(
 
 def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
     """J Hp J as a new float32 matrix: H [in, in] with rows and columns in processing order
-    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1. On a CPU one
+    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1: what the
+    factorisation takes where it cannot follow the order itself (cholesky.takes_order). On a CPU one
     compiled pass (compiled.gathered: 1536 rows, 1.2 against 2.0 ms); elsewhere rows, then
     columns: two gathers of whole rows and within rows, 2.5x faster than one gather of
     single elements (576 rows: 0.25 against 0.62 ms)."""

@@ -284,7 +284,9 @@ int ptq_gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t
 /* The factorisation in three calls (compiled.inverse_cholesky drives them):
 
    ptq_cholesky_padded: the Cholesky factor L of the symmetric matrix H [n, n] (float32, row
-   stride ld, its lower triangle read) with its diagonal replaced by diag [n], into the
+   stride ld, its lower triangle read; with an order R [n], of H[R][:, R], read from both
+   triangles of a symmetric H: GPTQ's reversed Hessian without a copy of it first) with its
+   diagonal replaced by diag [n], into the
    lower triangle of A [np, np] (np = n rounded up to 32; the extra rows and columns the
    identity's; its strict upper triangle left holding scratch). Returns 0; 1 when the
    matrix is not positive definite; 3 when memory ran out; 4 without AVX-512 or AVX2
@@ -308,18 +310,27 @@ void ptq_cholesky_scratch(int64_t np, int64_t *sizes) {
 }
 
 #if HAS_AVX512
-/* H's lower triangle with its diagonal replaced by diag, padded with the identity, into A */
-static void padded_copy(const float *H, int64_t n, int64_t ld, const float *diag, float *A, int64_t np) {
+/* H's lower triangle (of H[R][:, R] where R is given) with its diagonal replaced by diag,
+   padded with the identity, into A */
+static void padded_copy(const float *H, int64_t n, int64_t ld, const int64_t *R, const float *diag, float *A,
+                        int64_t np) {
     memset(A, 0, (size_t)(np * np) * sizeof(float));
     for (int64_t i = 0; i < np; i++) {
-        if (i < n)
-            memcpy(A + i * np, H + i * ld, (size_t)i * sizeof(float)); /* the strict lower triangle */
-        A[i * np + i] = i < n ? diag[i] : 1.0f;
+        float *a = A + i * np;
+        if (i < n && R) { /* the strict lower triangle, gathered */
+            const float *row = H + R[i] * ld;
+            for (int64_t j = 0; j < i; j++)
+                a[j] = row[R[j]];
+        } else if (i < n) {
+            memcpy(a, H + i * ld, (size_t)i * sizeof(float));
+        }
+        a[i] = i < n ? diag[i] : 1.0f;
     }
 }
 #endif
 
-int ptq_cholesky_padded(const float *H, int64_t n, int64_t ld, const float *diag, float *A, int32_t narrow) {
+int ptq_cholesky_padded(const float *H, int64_t n, int64_t ld, const int64_t *R, const float *diag, float *A,
+                        int32_t narrow) {
 #if HAS_AVX512
     const int wide = !narrow && __builtin_cpu_supports("avx512f");
     if (!wide && !ptq_avx2_fma_())
@@ -333,24 +344,24 @@ int ptq_cholesky_padded(const float *H, int64_t n, int64_t ld, const float *diag
         free(P), free(state);
         return 3;
     }
-    padded_copy(H, n, ld, diag, A, np);
+    padded_copy(H, n, ld, R, diag, A, np);
     const int status = (wide ? cholesky(A, np, P, state) : ptq_cholesky_avx2_(A, np, P)) ? 0 : 1;
     free(P), free(state);
     return status;
 #else
-    (void)H, (void)n, (void)ld, (void)diag, (void)A, (void)narrow;
+    (void)H, (void)n, (void)ld, (void)R, (void)diag, (void)A, (void)narrow;
     return 4;
 #endif
 }
 
-int ptq_cholesky_copy(const float *H, int64_t n, int64_t ld, const float *diag, float *A) {
+int ptq_cholesky_copy(const float *H, int64_t n, int64_t ld, const int64_t *R, const float *diag, float *A) {
 #if HAS_AVX512
     if (ptq_linalg_available() != 2)
         return 4;
-    padded_copy(H, n, ld, diag, A, (n + BLOCK - 1) / BLOCK * BLOCK);
+    padded_copy(H, n, ld, R, diag, A, (n + BLOCK - 1) / BLOCK * BLOCK);
     return 0;
 #else
-    (void)H, (void)n, (void)ld, (void)diag, (void)A;
+    (void)H, (void)n, (void)ld, (void)R, (void)diag, (void)A;
     return 4;
 #endif
 }

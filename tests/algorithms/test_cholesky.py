@@ -100,3 +100,27 @@ def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_coun
     A = H.clone()
     A[n - 1, n - 1] = -1.0
     assert not cholesky.blocked_inverse_cholesky_(A, 2)
+
+
+@pytest.mark.parametrize("n", [100, 700, 1000])  # one thread; 1000: the Cholesky's updates and the inverse's tiles shared
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_order_followed_as_it_is_copied_in_gives_the_reordered_copys_bits(n, threads):
+    # GPTQ's reversed Hessian, dead inputs pinned to 1 on the diagonal, factored from H
+    # and the order instead of from a reordered copy
+    if not compiled.linalg_available():
+        pytest.skip("the compiled factorisation needs the compiled library and AVX-512 or AVX2")
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3 * n, n, generator=g) * torch.linspace(0.1, 3, n)
+    x[:, :5] = 0  # dead inputs: zero rows and columns
+    H = x.t() @ x / (3 * n)
+    order = torch.randperm(n, generator=g)
+    diagonal = H.diagonal()[order].masked_fill(H.diagonal()[order] == 0, 1)
+    copy = H[order][:, order].contiguous()
+    copy.diagonal().copy_(diagonal)
+    if not cholesky.takes_order(H):
+        pytest.skip(f"{n} rows: not the compiled factorisation here")
+    expected = cholesky.inverse_cholesky(copy, 0.01, threads)
+    kept = H.clone()
+    got = cholesky.inverse_cholesky(H, 0.01, threads, order=order, diagonal=diagonal)
+    assert torch.equal(H, kept)  # not changed
+    assert got[1:] == expected[1:] and torch.equal(got[0], expected[0])

@@ -147,6 +147,31 @@ def test_indefinite_hessian_raises_damping():
     _assert_consistent(result, W, bad)
 
 
+@pytest.mark.parametrize("actorder", ["none", "static"])
+@pytest.mark.parametrize("indefinite", [False, True], ids=["definite", "retried"])
+def test_the_factorisation_that_reorders_as_it_copies_gives_the_reversed_copys_bits(actorder, indefinite, monkeypatch):
+    # where the compiled factorisation runs it takes H and the reversed processing order
+    # (cholesky.takes_order) instead of gptq's reversed copy of H: the same codes, scales,
+    # dampening and loss, dead inputs and a dampening retry included
+    from ptq.algorithms import cholesky, gptq as gptq_module
+
+    W, X, _ = _problem(seed=8)
+    X[:, [3, 50]] = 0  # dead inputs
+    H = 2 / X.shape[0] * X.T @ X
+    if indefinite:  # 1% dampening is not enough, 10% is (test_indefinite_hessian_raises_damping)
+        low = float(torch.linalg.eigvalsh(H.double())[0])
+        H = H - (low + 0.05 * float(H.diagonal().mean())) / 1.05 * torch.eye(256)
+    if not cholesky.takes_order(H):
+        pytest.skip("the compiled factorisation does not run here")
+    args = _args(4, 32)
+    fused = gptq(W, H, args, scale_dtype=torch.bfloat16, actorder=actorder)
+    monkeypatch.setattr(gptq_module, "takes_order", lambda H: False)
+    copied = gptq(W, H, args, scale_dtype=torch.bfloat16, actorder=actorder)
+    assert fused.damp == copied.damp == (0.1 if indefinite else 0.01)
+    assert fused.error == copied.error and fused.fallback is copied.fallback is None
+    assert torch.equal(fused.weight.q, copied.weight.q) and torch.equal(fused.weight.scale, copied.weight.scale)
+
+
 def _hopeless_hessian(n: int) -> torch.Tensor:
     """Symmetric, mean diagonal 0.25, but eigenvalues -1.5: no dampening up to 1.0 helps."""
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(6)))

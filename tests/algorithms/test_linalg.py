@@ -69,12 +69,12 @@ def test_a_thread_that_comes_late_to_the_shared_cholesky_changes_nothing():
     padded = -(-n // 32) * 32
     A, single = torch.empty(padded, padded), torch.empty(padded, padded)
     P, state = compiled.cholesky_scratch(padded)
-    assert lib.ptq_cholesky_copy(H.data_ptr(), n, n, diag.data_ptr(), A.data_ptr()) == 0
+    assert lib.ptq_cholesky_copy(H.data_ptr(), n, n, None, diag.data_ptr(), A.data_ptr()) == 0
     assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
     done = A.clone()
     assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
     assert torch.equal(A, done)
-    assert lib.ptq_cholesky_padded(H.data_ptr(), n, n, diag.data_ptr(), single.data_ptr(), 0) == 0
+    assert lib.ptq_cholesky_padded(H.data_ptr(), n, n, None, diag.data_ptr(), single.data_ptr(), 0) == 0
     assert torch.equal(A.tril(), single.tril())  # the one-thread call's factor
 
 
