@@ -102,7 +102,8 @@ def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_coun
     assert not cholesky.blocked_inverse_cholesky_(A, 2)
 
 
-@pytest.mark.parametrize("n", [100, 700, 1000])  # one thread; 1000: the Cholesky's updates and the inverse's tiles shared
+# 100, 700: on one thread; 1000: the Cholesky's updates and the inverse's tiles shared by the threads
+@pytest.mark.parametrize("n", [100, 700, 1000])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_an_order_followed_as_it_is_copied_in_gives_the_reordered_copys_bits(n, threads):
     # GPTQ's reversed Hessian, dead inputs pinned to 1 on the diagonal, factored from H
