@@ -66,11 +66,11 @@ static inline void transpose16x16_8(__m128i r[16]) {
 }
 
 /* ptq_transpose_8 without a column map: blocks of 16 x 16 bytes moved through registers
-   (GPTQ's codes, [in, out] -> [out, in]: 0.95 -> about 0.15 ms for 576 x 3072 on two
-   threads), the edges byte by byte */
+   (GPTQ's codes, [in, out] -> [out, in]: 576 x 3072 on one thread of the AMX Xeon 1.13 ->
+   0.23 ms), the edges byte by byte */
 static void transpose_8_blocks(const uint8_t *src, int64_t ld, const int64_t *R, int64_t i0, int64_t i1, int64_t nj,
                                uint8_t *dst) {
-    enum { BAND = 64 }; /* dst rows per band: 64 x nj bytes stay in the L2 cache across the sources */
+    enum { BAND = 64 }; /* dst rows per band: their 64 x nj bytes stay in the cache across the sources */
     const int64_t jw = nj / 16 * 16;
     for (int64_t b0 = i0; b0 + 16 <= i1; b0 += BAND) {
         const int64_t b1 = b0 + BAND < i1 ? b0 + BAND : i1;
