@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread, takes_order
+from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
 from ptq.devices import cpu_budget, cpu_parallel, cpu_threads, float32_gemms
@@ -100,13 +100,9 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
     order = torch.arange(H.shape[0], device=H.device) if perm is None else perm  # [in]
     importance = diag[order]  # [in], in processing order
     threads = cpu_budget()  # read here: inside cpu_parallel below the factorisation would see 1
-    if takes_order(H):  # the compiled factorisation reverses H as it copies it in: no reversed copy first
-        reverse = order.flip(0)
-        factor = functools.partial(inverse_cholesky, H.detach(), damp, threads, order=reverse,
-                                   diagonal=diag[reverse])
-    else:
-        factor = functools.partial(inverse_cholesky, _reversed_copy(H, order, dead), damp, threads)
-    # factor() -> Hinv [in, in] upper, damp, failure
+    reverse = order.flip(0)  # [in]: J, the factorisation's order (cholesky's docstring)
+    # -> Hinv [in, in] upper, damp, failure; H is not changed
+    factor = functools.partial(inverse_cholesky, H.detach(), damp, threads, order=reverse, diagonal=diag[reverse])
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
     if on_one_thread(H) and threads > 1:  # the working copy is made beside the factorisation
         (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
@@ -164,21 +160,6 @@ def _check(
             "change the weights' strategy"
         )
     num_groups(n, args)  # raises when group_size does not divide in
-
-
-def _reversed_copy(H: Tensor, order: Tensor, dead: Tensor) -> Tensor:
-    """J Hp J as a new float32 matrix: H [in, in] with rows and columns in processing order
-    (`order`), reversed (J reverses the order), dead inputs' diagonal set to 1: what the
-    factorisation takes where it cannot follow the order itself (cholesky.takes_order). On a CPU one
-    compiled pass (compiled.gathered: 1536 rows, 1.2 against 2.0 ms); elsewhere rows, then
-    columns: two gathers of whole rows and within rows, 2.5x faster than one gather of
-    single elements (576 rows: 0.25 against 0.62 ms)."""
-    reverse = order.flip(0)  # [in]
-    Hr = compiled.gathered(H.detach(), reverse, reverse)  # None where it does not apply
-    if Hr is None:
-        Hr = H.detach().index_select(0, reverse).index_select(1, reverse).float()  # [in, in]
-    Hr.diagonal().masked_fill_(dead[reverse], 1)
-    return Hr
 
 
 def _fallback(

@@ -150,10 +150,10 @@ def test_indefinite_hessian_raises_damping():
 @pytest.mark.parametrize("actorder", ["none", "static"])
 @pytest.mark.parametrize("indefinite", [False, True], ids=["definite", "retried"])
 def test_the_factorisation_that_reorders_as_it_copies_gives_the_reversed_copys_bits(actorder, indefinite, monkeypatch):
-    # where the compiled factorisation runs it takes H and the reversed processing order
-    # (cholesky.takes_order) instead of gptq's reversed copy of H: the same codes, scales,
-    # dampening and loss, dead inputs and a dampening retry included
-    from ptq.algorithms import cholesky, gptq as gptq_module
+    # where the compiled factorisation runs it follows the reversed processing order as it
+    # copies H in (cholesky.takes_order) instead of factoring a reversed copy of H: the same
+    # codes, scales, dampening and loss, dead inputs and a dampening retry included
+    from ptq.algorithms import cholesky
 
     W, X, _ = _problem(seed=8)
     X[:, [3, 50]] = 0  # dead inputs
@@ -165,7 +165,7 @@ def test_the_factorisation_that_reorders_as_it_copies_gives_the_reversed_copys_b
         pytest.skip("the compiled factorisation does not run here")
     args = _args(4, 32)
     fused = gptq(W, H, args, scale_dtype=torch.bfloat16, actorder=actorder)
-    monkeypatch.setattr(gptq_module, "takes_order", lambda H: False)
+    monkeypatch.setattr(cholesky, "takes_order", lambda H: False)
     copied = gptq(W, H, args, scale_dtype=torch.bfloat16, actorder=actorder)
     assert fused.damp == copied.damp == (0.1 if indefinite else 0.01)
     assert fused.error == copied.error and fused.fallback is copied.fallback is None

@@ -126,17 +126,16 @@ def test_reverse_is_flip_in_place(tasks, layout, monkeypatch):
 
 def test_the_torch_steps_give_the_compiled_moves_bits(monkeypatch):
     # where the compiled moves do not apply (a GPU, no compiler), the torch steps run:
-    # the Hessian's mirror, the Cholesky's triangle copies and flip, GPTQ's reversed copy
-    from ptq.algorithms import cholesky, gptq as gptq_module
+    # the Hessian's mirror, the Cholesky's triangle copies and flip, the reordered copy
+    from ptq.algorithms import cholesky
 
     W, _, H = _problem(out=64, inp=300, seed=7)
     H = H.triu()  # the observer's sum before its mirror
     order = torch.randperm(300)
-    dead = torch.zeros(300, dtype=torch.bool)
 
     def steps():
         mirrored = cholesky.mirror_triangle_(H.clone())
-        Hr = gptq_module._reversed_copy(mirrored, order, dead)
+        Hr = cholesky._reordered(mirrored, order.flip(0))
         Hinv, damp, failure = cholesky.inverse_cholesky(Hr.clone(), 0.01)
         kept = Hr.clone()
         cholesky.mirror_triangle_(kept, to_upper=True)
