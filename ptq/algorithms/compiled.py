@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 19  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 20  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -76,11 +76,11 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_gram_pack.restype = None
     lib.ptq_gram_pack.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P]
     lib.ptq_gram_amx.restype = None
-    lib.ptq_gram_amx.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _I]
+    lib.ptq_gram_amx.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _I, ctypes.c_int]
     lib.ptq_avx512bf16_available.restype = ctypes.c_int
     lib.ptq_avx512bf16_available.argtypes = []
     lib.ptq_gram_avx512.restype = None
-    lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I]
+    lib.ptq_gram_avx512.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _I, ctypes.c_int]
     lib.ptq_attention_causal.restype = ctypes.c_int
     lib.ptq_attention_causal.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _F]
     lib.ptq_attention_causal_amx.restype = ctypes.c_int
@@ -247,18 +247,20 @@ class GramTiles:
         library()[0].ptq_gram_pack(self.X.data_ptr(), self.X.shape[0], self.X.stride(0), self.padded, self.stride,
                                    f0, f1, self.XV.data_ptr(), self.XT.data_ptr() if self.kernel == "AMX" else None)
 
-    def gram_rows(self, total: Tensor, i0: int, i1: int) -> None:
+    def gram_rows(self, total: Tensor, i0: int, i1: int, fresh: bool = False) -> None:
         """total[i0:i1, i0:] += X[:, i0:i1]ᵀ X[:, i0:] in the 32 x 32 blocks on and above the
-        diagonal (float32 [n, n], contiguous; i0, i1 multiples of 32)."""
+        diagonal (float32 [n, n], contiguous; i0, i1 multiples of 32); fresh: = instead of
+        +=, those blocks' old values neither read nor needed (the same bits as adding to
+        zeros)."""
         n = self.features
         assert total.dtype == torch.float32 and total.shape == (n, n) and total.is_contiguous()
         assert i0 % 32 == 0 and i1 % 32 == 0 and 0 <= i0 < i1 <= n
         if self.kernel == "AMX":
             library()[0].ptq_gram_amx(self.XV.data_ptr(), self.XT.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
-                                      total.data_ptr(), n)
+                                      total.data_ptr(), n, int(fresh))
         else:
             library()[0].ptq_gram_avx512(self.XV.data_ptr(), self.padded, self.stride, n, i0, i1, i0,
-                                         total.data_ptr(), n)
+                                         total.data_ptr(), n, int(fresh))
 
 
 class QuadraticForm:

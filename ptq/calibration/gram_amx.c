@@ -15,10 +15,11 @@
    - ptq_gram_amx adds XᵀX to the rows [i0, i1) and columns [j0, n) of the float32 sum,
      on and above the diagonal, 2 x 2 tiles (32 x 32 elements) at a time, over CHUNK tiles
      of tokens while their A tiles stay in the L1 cache, and over a panel of columns whose
-     B tiles stay in the L2 cache.
+     B tiles stay in the L2 cache; with `fresh` it writes those blocks instead, from zero
+     (the sum's first chunk: its memory need not be zeroed first, nor is it read).
 
-   - ptq_gram_avx512 adds the same blocks from the B tiles alone (ptq_gram_pack leaves XT
-     when given none): per token pair, 3 vectors of 16 features' pairs against 8 rows'
+   - ptq_gram_avx512 adds (or with `fresh` writes) the same blocks from the B tiles alone
+     (ptq_gram_pack leaves XT when given none): per token pair, 3 vectors of 16 features' pairs against 8 rows'
      pairs broadcast, VDPBF16PS adding both products to each float32 lane. Each element's
      products are summed over SUM_TILES tiles (128 tokens) from zero, then added to the
      sum: a float32 sum over all 2048 tokens of a chunk in one register was 4-5 times less
@@ -108,7 +109,7 @@ int ptq_avx512bf16_available(void) {
 enum { GRAM_ROWS = 8, SUM_TILES = 4 /* 128 tokens per float32 sum from zero */ };
 __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
 gram_block(const uint16_t *XV, int64_t stride, int64_t k0, int64_t k1, int64_t i, int64_t j, int C, float *sum,
-           int64_t ld) {
+           int64_t ld, int fresh) {
     __m512 acc[GRAM_ROWS][3];
     for (int r = 0; r < GRAM_ROWS; r++)
         for (int c = 0; c < C; c++)
@@ -130,7 +131,7 @@ gram_block(const uint16_t *XV, int64_t stride, int64_t k0, int64_t k1, int64_t i
     for (int r = 0; r < GRAM_ROWS; r++)
         for (int c = 0; c < C; c++) {
             float *to = sum + (i + r) * ld + j + 16 * c;
-            _mm512_storeu_ps(to, _mm512_add_ps(_mm512_loadu_ps(to), acc[r][c]));
+            _mm512_storeu_ps(to, _mm512_add_ps(fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(to), acc[r][c]));
         }
 }
 
@@ -139,7 +140,7 @@ gram_block(const uint16_t *XV, int64_t stride, int64_t k0, int64_t k1, int64_t i
    columns, over chunks of tokens whose tiles stay in the L2 cache */
 __attribute__((target("avx512f,avx512bf16"))) void ptq_gram_avx512(const uint16_t *XV, int64_t Tp, int64_t stride,
                                                                   int64_t n, int64_t i0, int64_t i1, int64_t j0,
-                                                                  float *sum, int64_t ld) {
+                                                                  float *sum, int64_t ld, int fresh) {
     const int64_t tiles = Tp / 32;
     int64_t chunk = PANEL_BYTES / (n * 64) / SUM_TILES * SUM_TILES; /* token tiles of every feature in about 1 MiB */
     chunk = chunk < SUM_TILES ? SUM_TILES : chunk;
@@ -152,11 +153,11 @@ __attribute__((target("avx512f,avx512bf16"))) void ptq_gram_avx512(const uint16_
                 for (int64_t k = k0; k < k1; k += SUM_TILES) {
                     const int64_t k2 = k + SUM_TILES < k1 ? k + SUM_TILES : k1;
                     if (j + 48 <= n)
-                        gram_block(XV, stride, k, k2, i, j, 3, sum, ld);
+                        gram_block(XV, stride, k, k2, i, j, 3, sum, ld, fresh && k == 0);
                     else if (j + 32 <= n)
-                        gram_block(XV, stride, k, k2, i, j, 2, sum, ld);
+                        gram_block(XV, stride, k, k2, i, j, 2, sum, ld, fresh && k == 0);
                     else
-                        gram_block(XV, stride, k, k2, i, j, 1, sum, ld);
+                        gram_block(XV, stride, k, k2, i, j, 1, sum, ld, fresh && k == 0);
                 }
         }
     }
@@ -167,7 +168,7 @@ __attribute__((target("avx512f,avx512bf16"))) void ptq_gram_avx512(const uint16_
    and n multiples of 32; sum float32 with row stride ld */
 __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp,
                                                                int64_t stride, int64_t n, int64_t i0, int64_t i1,
-                                                               int64_t j0, float *sum, int64_t ld) {
+                                                               int64_t j0, float *sum, int64_t ld, int fresh) {
     configure_tiles(); /* 0-3: sums, 4-5: A, 6-7: B */
     const int64_t tiles = Tp / 32, row_bytes = ld * (int64_t)sizeof(float);
     int64_t panel = PANEL_BYTES / (Tp * 2) / 32 * 32; /* columns whose B tiles stay in the L2 cache */
@@ -180,10 +181,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void ptq_gram_amx(const uint16_t *X
                 for (int64_t j = p0 > i ? p0 : i; j < n && j < p0 + panel; j += 32) { /* on and above the diagonal */
                     const uint16_t *b0 = XV + (j / 16) * stride * TILE, *b1 = b0 + stride * TILE;
                     float *c = sum + i * ld + j;
-                    _tile_loadd(0, c, row_bytes);
-                    _tile_loadd(1, c + 16, row_bytes);
-                    _tile_loadd(2, c + 16 * ld, row_bytes);
-                    _tile_loadd(3, c + 16 * ld + 16, row_bytes);
+                    if (fresh && k0 == 0) { /* the sum's first tokens: from zero, the memory not read */
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, c, row_bytes);
+                        _tile_loadd(1, c + 16, row_bytes);
+                        _tile_loadd(2, c + 16 * ld, row_bytes);
+                        _tile_loadd(3, c + 16 * ld + 16, row_bytes);
+                    }
                     for (int64_t k = k0; k < k1; k++) {
                         _tile_loadd(4, a0 + k * TILE, 64);
                         _tile_loadd(5, a1 + k * TILE, 64);
@@ -351,8 +359,8 @@ int ptq_amx_available(void) { return 0; }
 int ptq_avx512bf16_available(void) { return 0; }
 
 void ptq_gram_avx512(const uint16_t *XV, int64_t Tp, int64_t stride, int64_t n, int64_t i0, int64_t i1, int64_t j0,
-                     float *sum, int64_t ld) {
-    (void)XV, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld;
+                     float *sum, int64_t ld, int fresh) {
+    (void)XV, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld, (void)fresh;
 }
 
 void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp, int64_t stride, int64_t f0, int64_t f1,
@@ -361,8 +369,8 @@ void ptq_gram_pack(const uint16_t *X, int64_t T, int64_t ld, int64_t Tp, int64_t
 }
 
 void ptq_gram_amx(const uint16_t *XV, const uint16_t *XT, int64_t Tp, int64_t stride, int64_t n, int64_t i0,
-                  int64_t i1, int64_t j0, float *sum, int64_t ld) {
-    (void)XV, (void)XT, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld;
+                  int64_t i1, int64_t j0, float *sum, int64_t ld, int fresh) {
+    (void)XV, (void)XT, (void)Tp, (void)stride, (void)n, (void)i0, (void)i1, (void)j0, (void)sum, (void)ld, (void)fresh;
 }
 
 double ptq_gram_quadratic(const uint16_t *D, int64_t rows, int64_t in, const uint16_t *GV) {

@@ -76,6 +76,31 @@ def test_the_sums_do_not_depend_on_how_rows_are_split():
     assert torch.equal(whole[~upper], torch.zeros(int((~upper).sum())))
 
 
+def _kernels() -> list[str]:
+    """The Gram kernels this CPU runs: VDPBF16PS on every CPU with AMX too."""
+    return ["AMX", "AVX512-BF16"] if compiled.gram_kernel() == "AMX" and compiled.avx512_bf16() else [
+        compiled.gram_kernel()]
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_a_fresh_sum_writes_the_bits_of_adding_to_zeros_and_leaves_the_rest(monkeypatch, kernel):
+    monkeypatch.setattr(compiled, "gram_kernel", lambda: kernel)
+    X = _inputs(300, 160, seed=9)  # 300 tokens: several token chunks and sums of 128 per element
+    tiles = compiled.GramTiles(300, 160)
+    tiles.load(X)
+    tiles.pack(0, 10)
+    added, fresh = torch.zeros(160, 160), torch.full((160, 160), float("nan"))
+    for a, b in [(0, 64), (64, 160)]:
+        tiles.gram_rows(added, a, b)
+        tiles.gram_rows(fresh, a, b, fresh=True)
+    upper = torch.ones(5, 5).triu().repeat_interleave(32, 0).repeat_interleave(32, 1).bool()
+    assert torch.equal(fresh[upper], added[upper])
+    assert fresh[~upper].isnan().all()  # below the diagonal's blocks: not written
+    tiles.gram_rows(fresh, 0, 160)  # later chunks add to it
+    tiles.gram_rows(added, 0, 160)
+    assert torch.equal(fresh[upper], added[upper])
+
+
 @pytest.mark.parametrize("features", [64, 576, 1536])
 def test_compiled_hessian_is_float32_accurate_over_several_flushes(features):
     # 5000 tokens: two full flushes of PENDING_TOKENS and a partial one, in batches of 1000
@@ -107,14 +132,18 @@ def test_compiled_and_onednn_paths_agree(monkeypatch):
 
 
 def test_inputs_that_change_dtype_are_summed_each_in_its_own_mode():
-    x = _inputs(300, 64, seed=6)
+    # the tiles' first chunk leaves the sum's lower blocks unwritten, and the float32 GEMMs
+    # after it add to rows of blocks that reach into them: H mirrors the upper triangle
+    x = _inputs(300, 256, seed=6)
     observer = HessianObserver()
     observer.update(x[:100])
     observer.update(x[100:200].float() + 1e-3)  # float32 values a bf16 buffer would round
     observer.update(x[200:])
     flat = torch.cat([x[:100].double(), x[100:200].double() + 1e-3, x[200:].double()])
     exact = 2 * flat.t() @ flat / 300
-    assert float((observer.value.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+    H = observer.value
+    assert torch.equal(H, H.t())
+    assert float((H.double() - exact).abs().max() / exact.abs().max()) < 1e-6
 
 
 def test_the_report_names_how_bf16_hessians_were_summed(monkeypatch):
