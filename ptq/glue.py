@@ -15,9 +15,18 @@ from torch import nn
 
 
 def code_of(function) -> tuple | None:
-    """What identifies a Python function's computation: its bytecode, names and constants."""
-    code = getattr(function, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts, code.co_varnames)
+    """What identifies a Python function's computation: its bytecode, names and constants;
+    for a function made by decorators (functools.wraps: __wrapped__), those of each function
+    down to the one they wrap (decorators share their wrapper's code: transformers' decoder
+    layers' forwards all start as the same two wrappers)."""
+    codes = []
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is None:
+            return None
+        codes.append((code.co_code, code.co_names, code.co_consts, code.co_varnames))
+        function = getattr(function, "__wrapped__", None)
+    return codes[0] if len(codes) == 1 else tuple(codes)
 
 
 @functools.cache

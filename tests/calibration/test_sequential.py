@@ -186,11 +186,14 @@ def test_the_compiled_norms_change_no_bit_of_the_calibration(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_torch))
 
 
-def test_replays_are_copied_only_for_a_later_pass(monkeypatch):
+@pytest.mark.parametrize("global_hook", [False, True])
+def test_replays_are_copied_only_for_a_later_pass_that_might_change_them(monkeypatch, global_hook):
     # a replay's copy guards what a later pass reads again against in-place ops; where no
     # later pass reads it, its outputs are handed over: q/k/v's in o's pass (self_attn is
     # replayed whole after it), gate/up's in down's pass, self_attn's and mlp's in the
-    # final pass. Only self_attn's in the gate/up and down passes are copied. Same bits.
+    # final pass. self_attn's in the gate/up and down passes are read again later, but a
+    # Llama decoder layer's forward only adds them to the residual: not copied either,
+    # unless a global forward hook (which runs on the replay) might change them. Same bits.
     from ptq.calibration import sequential
 
     fetch = sequential._fetch
@@ -203,17 +206,39 @@ def test_replays_are_copied_only_for_a_later_pass(monkeypatch):
             return fetch(value, device, copy or always_copy)
 
         monkeypatch.setattr(sequential, "_fetch", counted)
-        hessians, outputs = quantize_with(tiny_model("llama", dtype=torch.float32), replay=True)
+        handle = nn.modules.module.register_module_forward_hook(lambda *_: None) if global_hook else None
+        try:
+            hessians, outputs = quantize_with(tiny_model("llama", dtype=torch.float32), replay=True)
+        finally:
+            if handle is not None:
+                handle.remove()
         monkeypatch.undo()
         return copies, hessians, outputs
 
     copies, hessians, outputs = run(always_copy=False)
     _, hessians_copied, outputs_copied = run(always_copy=True)
     layers, batches = len(outputs), 2
-    assert copies.count(True) == layers * 2 * batches  # self_attn, in 2 passes
-    assert copies.count(False) == layers * (3 + 2 + 2) * batches
+    copied = layers * 2 * batches if global_hook else 0  # self_attn, in 2 passes
+    assert copies.count(True) == copied
+    assert copies.count(False) == layers * (3 + 2 + 2) * batches + layers * 2 * batches - copied
     assert all(torch.equal(hessians[name], hessians_copied[name]) for name in hessians_copied)
     assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_copied))
+
+
+def test_only_a_llama_decoder_layers_code_reads_its_childrens_replays_uncopied():
+    from ptq.calibration.sequential import _read_only
+
+    layer = find_blocks(tiny_model("llama", dtype=torch.float32))[1][0]
+    assert _read_only(layer) == {"self_attn", "mlp"}
+    assert _read_only(find_blocks(tiny_model("qwen3", dtype=torch.float32))[1][0]) == {"self_attn", "mlp"}  # its copy
+    assert _read_only(find_blocks(tiny_model("opt", dtype=torch.float32))[1][0]) == frozenset()
+
+    class Changed(type(layer)):  # a forward of its own: it may change them in place
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states, *args, **kwargs)
+
+    layer.__class__ = Changed
+    assert _read_only(layer) == frozenset()
 
 
 def test_memo_returns_the_last_output_only_for_the_same_untouched_block_inputs():
