@@ -18,13 +18,14 @@
      B tiles stay in the L2 cache; with `fresh` it writes those blocks instead, from zero
      (the sum's first chunk: its memory need not be zeroed first, nor is it read).
 
-   - ptq_gram_avx512 adds (or with `fresh` writes) the same blocks from the B tiles alone
-     (ptq_gram_pack leaves XT when given none): per token pair, 3 vectors of 16 features'
-     pairs against 8 rows' pairs broadcast, VDPBF16PS adding both products to each float32
-     lane. Each element's products are summed over SUM_TILES tiles (128 tokens) from zero,
-     then added to the sum: a float32 sum over all 2048 tokens of a chunk in one register was 4-5 times less
-     accurate than oneDNN's GEMMs (4.8e-6 of H's largest element against 1.2e-6 over 5000
-     tokens), in sums of 128 it is more accurate (1.9e-7), at the same speed.
+   - ptq_gram_avx512 adds (or with `fresh` writes) the same blocks from the B tiles
+     alone (ptq_gram_pack leaves XT when given none): per token pair, 3 vectors of 16
+     features' pairs against 8 rows' pairs broadcast, VDPBF16PS adding both products to
+     each float32 lane. Each element's products are summed over SUM_TILES tiles (128
+     tokens) from zero, then added to the sum: a float32 sum over all 2048 tokens of a
+     chunk in one register was 4-5 times less accurate than oneDNN's GEMMs (4.8e-6 of
+     H's largest element against 1.2e-6 over 5000 tokens), in sums of 128 it is more
+     accurate (1.9e-7), at the same speed.
 
    On AMX every element of the sum gets its tokens' products added in token order, pairs
    at a time, as TDPBF16PS does them (round to nearest even; denormal inputs and results
