@@ -48,11 +48,15 @@ def runs_llama_code(module: nn.Module, class_name: str) -> bool:
     return reference is not None and code_of(type(module).forward) == reference and "forward" not in vars(module)
 
 
+def global_hooks() -> bool:
+    """Whether global forward (pre-)hooks are set: they run on every module's call."""
+    hooks = nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
 def hooked(module: nn.Module) -> bool:
     """Whether calling module would run hooks (its own or global ones)."""
-    hooks = nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
-                or hooks._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks) or global_hooks()
 
 
 def with_globals(function: Callable, names: dict[str, object]) -> Callable | None:

@@ -337,9 +337,9 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     CPU, its lower triangle read), or with an order [n] of H[order][:, order] taken as it
     is copied in (H symmetric: both triangles read), with its diagonal replaced by diag [n]
     (linalg.c; linalg_available must have said yes); None when that matrix is not positive
-    definite or L⁻¹ is not finite. From CHOLESKY_ROWS rows up the Cholesky's updates (rows of 8, a
-    block column at a time) and from INVERSE_ROWS rows L⁻¹'s tiles of columns are shared by
-    up to `threads` threads (cpu_parallel), each piece the same bits whichever thread
+    definite or L⁻¹ is not finite. From CHOLESKY_ROWS rows up the Cholesky's updates (rows
+    of 8, a block column at a time) and from INVERSE_ROWS rows L⁻¹'s tiles of columns are
+    shared by up to `threads` threads (cpu_parallel), each piece the same bits whichever thread
     computes it; below, it all runs on this thread. One 1536-row Cholesky on the 2-core
     Xeon: 13 ms on one thread, 8.1-8.5 on two. narrow: the AVX2 code even where the CPU has
     AVX-512 (the same bits: for tests)."""

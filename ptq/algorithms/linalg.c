@@ -286,9 +286,9 @@ int ptq_gemm_subtract(float *C, int64_t ldc, const float *A, int64_t ar, int64_t
    ptq_cholesky_padded: the Cholesky factor L of the symmetric matrix H [n, n] (float32, row
    stride ld, its lower triangle read; with an order R [n], of H[R][:, R], read from both
    triangles of a symmetric H: GPTQ's reversed Hessian without a copy of it first) with its
-   diagonal replaced by diag [n], into the
-   lower triangle of A [np, np] (np = n rounded up to 32; the extra rows and columns the
-   identity's; its strict upper triangle left holding scratch). Returns 0; 1 when the
+   diagonal replaced by diag [n], into the lower triangle of A [np, np] (np = n rounded up
+   to 32; the extra rows and columns the identity's; its strict upper triangle left holding
+   scratch). Returns 0; 1 when the
    matrix is not positive definite; 3 when memory ran out; 4 without AVX-512 or AVX2
    (ptq_linalg_available says so). narrow: the AVX2 code on a CPU with AVX-512 too (tests
    compare the two; the same bits).
