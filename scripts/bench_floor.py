@@ -20,12 +20,14 @@ Used by scripts/bench_gptq_vs_llmcompressor.py. The job, per block and calibrati
 
 and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
-- Cholesky of the [in, in] Hessian, in³/3 FLOPs, at potrf's rate on that size, and the
-  inverse of the triangular factor, in³/3 FLOPs, at the triangular-solve rate on that size;
-  or both at the rate of ptq's compiled factorisation on that size (linalg.c, where it
-  runs: the size at most cholesky.compiled_rows(), its Cholesky's updates and its
-  inverse's tiles on all from compiled.INVERSE_ROWS rows; above, its compiled blocks on all
-  threads where the compiled GEMM runs), whichever is faster;
+- Cholesky of the [in, in] Hessian, in³/3 FLOPs, at the faster of potrf's rate on that
+  size and ptq's compiled Cholesky's (linalg.c, where it runs: the size at most
+  cholesky.compiled_rows(), its updates on all threads from compiled.CHOLESKY_ROWS rows;
+  above, its compiled blocks on all threads where the compiled GEMM runs). GPTQ as the
+  paper writes it also inverts the factor (another in³/3): ptq's feedback form needs no
+  inverse (ptq.algorithms.cholesky), so the floor leaves it out; floor_of(inverse=True)
+  counts it (the issue's first wording of the floor, and every run up to code 7ec4c68),
+  at the faster of the triangular-solve rate and ptq's compiled inverse's;
 - the column loop: rank-1 updates inside each block of B columns (out·in·B FLOPs, at
   addr's rate on [B, out] rows) and the lazy updates after each block (out·in² FLOPs, at
   the faster of the float32 GEMM's rate on [in, B] @ [B, out] and ptq's compiled GEMM's,
@@ -59,7 +61,7 @@ class Floor:
     attention: float
     glue: float
     hessians: float
-    factorisation: float  # Cholesky and the inverse of its factor
+    factorisation: float  # Cholesky (and with inverse=True, the inverse of its factor)
     loop: float
     tflop: float  # all parts but the glue (element-wise: counted in elements, by its time)
     solves_tflop: float  # the factorisations and column loops alone
@@ -81,7 +83,7 @@ class Floor:
     def parts(self) -> str:
         glue = f" + glue {self.glue:.2f}" if self.glue else ""
         return (f"Linears {self.linears:.2f} + attention {self.attention:.2f}{glue} + Hessians {self.hessians:.2f}"
-                f" + Cholesky and inverse {self.factorisation:.2f} + column loop {self.loop:.2f} s")
+                f" + Cholesky {self.factorisation:.2f} + column loop {self.loop:.2f} s")
 
 
 def transformers_forward(path, ids: torch.Tensor, repeats: int = 2) -> float:
@@ -117,11 +119,14 @@ def hessian_macs(n: int, tiles: bool = False) -> float:
     return HessianObserver.macs(n, tiles)
 
 
-def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool = True, glue: bool = True) -> Floor:
+def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool = True, glue: bool = True,
+             inverse: bool = False) -> Floor:
     """The floor of GPTQ W4A16 on a model of this transformers config, on samples x seq tokens.
     compiled_solves=False leaves ptq's compiled factorisation and GEMM out of the solves'
     rates (LAPACK's and torch's alone: the floor as runs before they existed measured it);
-    glue=False leaves out the glue and attention's softmax (the floor before they counted)."""
+    glue=False leaves out the glue and attention's softmax (the floor before they counted);
+    inverse=True adds the inverse of each Cholesky factor (the floor before ptq's GPTQ
+    stopped inverting: the issue's wording)."""
     from ptq.algorithms import compiled
     from ptq.devices import bf16_valued_gemms_exact, compute_dtype_for
 
@@ -160,9 +165,12 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
     flops += 2 * tokens * layers * (3 * hessian_macs(h, tiles(h)) + hessian_macs(i, tiles(i)))
     factorisation = loop = solve_flops = 0.0
     for out, n in solved_weights(config):
-        lapack = n**3 / 3 / rates.cholesky(n) + n**3 / 3 / rates.triangular_inverse(n)
-        compiled_rate = rates.factorisation(n) if compiled_solves else 0.0
-        factorisation += layers * (min(lapack, 2 * n**3 / 3 / compiled_rate) if compiled_rate else lapack)
+        cholesky_rate = max(rates.cholesky(n), rates.compiled_cholesky(n) if compiled_solves else 0.0)
+        factorisation += layers * n**3 / 3 / cholesky_rate
+        if inverse:
+            inverse_rate = max(rates.triangular_inverse(n), rates.compiled_inverse(n) if compiled_solves else 0.0)
+            factorisation += layers * n**3 / 3 / inverse_rate
+            solve_flops += layers * n**3 / 3
         lazy_rate = rates.gemm(n, BLOCK, out, torch.float32)
         if compiled_solves:
             lazy_rate = max(lazy_rate, rates.compiled_gemm(n, BLOCK, out))
@@ -170,7 +178,7 @@ def floor_of(config, samples: int, seq: int, rates: Rates, compiled_solves: bool
         if compiled_solves:
             rank1_rate = max(rank1_rate, rates.compiled_block(out))
         loop += layers * (out * n * BLOCK / rank1_rate + out * n * n / lazy_rate)
-        solve_flops += layers * (2 * n**3 / 3 + out * n * (BLOCK + n))
+        solve_flops += layers * (n**3 / 3 + out * n * (BLOCK + n))
     return Floor(linears / 1e9, attention / 1e9, glue_seconds, hessians / 1e9, factorisation / 1e9, loop / 1e9,
                  (flops + solve_flops) / 1e12, solve_flops / 1e12)
 

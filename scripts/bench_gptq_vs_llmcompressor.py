@@ -294,8 +294,10 @@ def model_floors(args, name: str, rates: Rates) -> tuple[Floor, list[tuple[str, 
     config = transformers.AutoConfig.from_pretrained(args.paths[name][0])
     of = functools.partial(floor_of, config, *args.tokens[name], rates)
     floor = of()
-    earlier = [("without the glue and attention's softmax", of(glue=False)),
-               ("also with LAPACK's and torch's rates alone for the solves", of(compiled_solves=False, glue=False))]
+    earlier = [("with the inverse of each Cholesky factor (runs up to code 7ec4c68)", of(inverse=True)),
+               ("also without the glue and attention's softmax", of(glue=False, inverse=True)),
+               ("also with LAPACK's and torch's rates alone for the solves",
+                of(compiled_solves=False, glue=False, inverse=True))]
     return floor, earlier, awq_search_floor(config, rates, AWQ_GRID) if name in args.awq_models else None
 
 

@@ -49,7 +49,10 @@ def test_the_floor_counts_the_glue_and_the_softmax_at_the_faster_tools_rate(monk
         def _rate(self, key, flops, make):
             return {"gemm": 1000.0, "bmm": 500.0}.get(key[0], 10.0)
 
-        def factorisation(self, n):
+        def compiled_cholesky(self, n):
+            return 0.0
+
+        def compiled_inverse(self, n):
             return 0.0
 
         def compiled_gemm(self, m, k, n):
@@ -81,6 +84,13 @@ def test_the_floor_counts_the_glue_and_the_softmax_at_the_faster_tools_rate(monk
     assert floor.linears == before.linears and floor.hessians == before.hessians
     assert floor.forward == floor.linears + floor.attention + floor.glue
     assert floor.seconds - before.seconds == pytest.approx(floor.glue + floor.attention - before.attention)
+    # the solves: a Cholesky of each solved weight's [in, in] Hessian (q/k/v, o, gate/up: 64; down: 128),
+    # in³/3 at 10 GFLOP/s; the floor with the inverse also counts an inverse of each factor, as many FLOPs
+    choleskys = 2 * (3 * 64**3 + 128**3) / 3 / 10 / 1e9
+    assert floor.factorisation == pytest.approx(choleskys)
+    with_inverse = bench_floor.floor_of(config, 2, 8, Rates(), inverse=True)
+    assert with_inverse.factorisation == pytest.approx(2 * choleskys)
+    assert with_inverse.seconds - floor.seconds == pytest.approx(choleskys)
 
 
 def test_ptqs_own_glue_rates_are_zero_where_its_code_does_not_run(monkeypatch):

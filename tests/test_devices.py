@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ptq
-from ptq.algorithms.cholesky import inverse_cholesky as _inverse_cholesky
+from ptq.algorithms.cholesky import feedback as _feedback
 from ptq.calibration.observers import HessianObserver
 from ptq.devices import (
     BF16_FLAGS,
@@ -310,7 +310,7 @@ def test_gptq_factorisation_does_not_depend_on_the_thread_count(n):
     # threads when LAPACK runs on both
     x = torch.randn(1024, n, generator=torch.Generator().manual_seed(1))  # [tokens, in]
     H = 2 / 1024 * x.t() @ x  # [in, in]
-    first, *others = _at_threads([1, 2, 4], lambda: _inverse_cholesky(H.clone(), 0.01)[0])
+    first, *others = _at_threads([1, 2, 4], lambda: _feedback(H.clone(), 0.01)[0])
     assert all(torch.equal(first, other) for other in others)
 
 

@@ -1,41 +1,47 @@
-"""GPTQ's factorisation: the upper Cholesky factor of H⁻¹, on blocks spread over threads.
+"""GPTQ's factorisation: the error-feedback matrix F, from the Cholesky factor of H alone.
 
-Rather than invert H and factor the inverse, it factors J H J = L Lᵀ (J reverses the
-order); then H⁻¹ = Uᵀ U with U = J L⁻¹ J upper triangular: about half the arithmetic, and
-H⁻¹ itself is never formed.
+GPTQ (Algorithm 1) moves the columns not yet rounded by each rounded column's scaled error
+(w_p - q_p) / U_pp along U's row p, U the upper Cholesky factor of H⁻¹. The same codes
+follow from the Cholesky factor of H itself, with nothing inverted (GPTQ is Babai's
+nearest-plane algorithm: Chen et al., "The Geometry of LLM Quantization", 2025): factor
+J H J = L Lᵀ (J reverses the order), so that H⁻¹ = Uᵀ U with U = J L⁻¹ J and
+G = U⁻ᵀ = J Lᵀ J lower triangular. The errors e_p = (t_p - q_p) / U_pp (t_p: the column
+as it stands when rounded) and the errors against the original weights, d_p = w_p - q_p,
+satisfy d = Uᵀ e; so a column k stands at t_k = w_k + Σ_{p<k} (G_kp / G_kk) d_p when it
+is rounded, and the loss is ½ Σ e_p² with e_p = (t_p - q_p) G_pp. F holds both:
+F_pk = -G_kp / G_kk above the diagonal (each rounded column moves the later ones by
+-F_pk d_p, as GPTQ's by -U_pk e_p) and F_pp = G_pp; with m = n - 1 - p, b = n - 1 - k,
+G_kp = L_mb. That is the Cholesky's n³/3 multiply-adds, without the triangular inverse's
+n³/3 (on SmolLM2's 1536-row Hessian the inverse took 5.4 ms of the 12 + 5.4 + 1.4 of
+factorisation, inverse and copy, on the 2-core Xeon).
 
-On a CPU, LAPACK's Cholesky and triangular solves (MKL potrf, trsm) round differently with
-the thread count, and GPTQ's rounding decisions amplify that; on one thread they took a
-fifth of the GPTQ job on SmolLM2's shapes (issue 15). Here both are split by hand: every
-operation of the Cholesky's blocks (a Cholesky of a BLOCK-wide diagonal block, a triangular
-solve, a GEMM update) and every solve for a chunk of columns of the inverse runs on one
-thread, the independent ones side by side on all threads (devices.cpu_parallel). The
-blocks and chunks are fixed by the matrix size alone, so the bits do not depend on the
-thread count. Up to SMALL rows (q/k/v, o and gate/up of SmolLM2-sized
-models) the blocks are too few to keep the threads busy and their Python costs more than
-the arithmetic: there LAPACK factors and inverts on one thread, about 1.5 times faster here
-(576 rows: 4.3 against 6.3 ms; 256: 1.0 against 1.5), and as independent of the thread count.
-On a CPU with AVX-512, matrices of up to COMPILED rows take ptq's compiled factorisation
-(linalg.c) on one thread instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times
-LAPACK's one thread (576 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against
-93) and faster than the blocked path on two threads up to 1536 rows. From
-compiled.CHOLESKY_ROWS rows up its Cholesky's updates are shared by the threads (a 2-core
-Xeon with AMX: 1536 rows 8.1-8.5 ms on two threads against 13 on one), and from
-compiled.INVERSE_ROWS rows the inverse's tiles of columns (2-core Zen 5: 1536 rows 10.5-10.8
-ms on two threads against 13.1-13.2 on one, 768 rows 1.6 against 1.8); the same bits on any
-count. On a CPU with AVX2
-and FMA but not AVX-512 the same code in narrower tiles (the same bits) takes matrices of
-up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows 2.7-5.8 against LAPACK's 12-14 ms,
-768 rows 12 against 28; from 1024 rows the blocked path on two threads is faster there.
-Above COMPILED rows on a CPU with AVX-512 the blocks are compiled code too
-(blocked_inverse_cholesky_: each diagonal block's inverse factor at once, GEMMs where
-LAPACK's blocks have triangular solves): on a 2-core AMD EPYC (Zen 5), medians of five
-runs alternating with the torch blocks, 2048 rows 40 against 59 ms, 2816 95 against 148,
-4096 242 against 411, 5632 547 against 1028 (blocks of 256 rows measured the same within
-the noise; 512 read the trailing matrix half as often).
+On a CPU, LAPACK's Cholesky (MKL potrf, trsm) rounds differently with the thread count, and
+GPTQ's rounding decisions amplify that; on one thread it took a fifth of the GPTQ job on
+SmolLM2's shapes (issue 15). Here it is split by hand: every operation of the Cholesky's
+blocks (a Cholesky of a BLOCK-wide diagonal block, a triangular solve, a GEMM update) runs
+on one thread, the independent ones side by side on all threads (devices.cpu_parallel).
+The blocks are fixed by the matrix size alone, so the bits do not depend on the thread
+count. Up to SMALL rows (q/k/v, o and gate/up of SmolLM2-sized models) the blocks are too
+few to keep the threads busy and their Python costs more than the arithmetic: there LAPACK
+factors on one thread (with the inverse it used to compute as well, 1.5 times faster than
+the blocks: 576 rows 4.3 against 6.3 ms), as independent of the thread count. On a CPU
+with AVX-512, matrices of up to COMPILED rows take ptq's compiled Cholesky (linalg.c)
+instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times LAPACK's one thread (576
+rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against 93, Cholesky and inverse
+then). From compiled.CHOLESKY_ROWS rows up its updates are shared by the threads (a 2-core
+Xeon with AMX: 1536 rows 8.1-8.5 ms on two threads against 13 on one); the same bits on
+any count. On a CPU with AVX2 and FMA but not AVX-512 the same code in narrower tiles (the
+same bits) takes matrices of up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows
+2.7-5.8 against LAPACK's 12-14 ms, 768 rows 12 against 28 (with the inverses); from 1024
+rows the blocked path on two threads is faster there. Above COMPILED rows on a CPU with
+AVX-512 the blocks are compiled code too (blocked_cholesky_: each diagonal block's factor
+inverted at once, GEMMs where LAPACK's blocks have triangular solves): on a 2-core AMD
+EPYC (Zen 5), medians of five runs alternating with the torch blocks, with the inverse
+then, 2048 rows 40 against 59 ms, 2816 95 against 148, 4096 242 against 411, 5632 547
+against 1028 (blocks of 256 rows measured the same within the noise; 512 read the
+trailing matrix half as often).
 
-Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks, and
-while the inverse's chunks are solved, their results (about n²/2 floats). The
+Memory: one [n, n] matrix (on down_proj's Hessian, 5632², 127 MB) and a few blocks. The
 factorisation reads only the lower triangle: the strict lower triangle of the original is
 first kept in the strict upper one, so that a retry with more dampening can restore it.
 """
@@ -54,14 +60,13 @@ from ptq.devices import cpu_budget, cpu_parallel, cpu_threads
 MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
 MAX_RETRIES = 4
 BLOCK = 256  # rows and columns of the factorisation's blocks
-INVERSE_CHUNK = 256  # columns of L⁻¹ that one triangular solve finds (inverse_lower_)
 SMALL = 3 * BLOCK  # on a CPU, up to this many rows LAPACK runs on one thread instead (measured crossover)
 # on a CPU with AVX-512, up to this many rows the compiled factorisation runs, on one thread
 # (on 2 cores of an AMD EPYC against the blocked path: 1024 rows 6.7 against 15.6 ms, 1536
 # 18 against 32; 2048 68 against 73, where its passes over the matrix no longer stay in the
 # cache, and more cores would favour the blocked path)
 COMPILED = 1536
-COMPILED_BLOCK = 512  # rows of blocked_inverse_cholesky_'s blocks
+COMPILED_BLOCK = 512  # rows of blocked_cholesky_'s blocks
 
 
 def describe() -> str:
@@ -87,18 +92,20 @@ def damp_schedule(damp: float) -> list[float]:
     return steps
 
 
-def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None, order: Tensor | None = None,
-                     diagonal: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
-    """Upper Cholesky factor of (H + λ mean(diag H) I)⁻¹, raising λ from `damp` until it works.
+def feedback(H: Tensor, damp: float, threads: int | None = None, order: Tensor | None = None,
+             diagonal: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
+    """GPTQ's error-feedback matrix F (the module's docstring) of H + λ mean(diag H) I,
+    raising λ from `damp` until its Cholesky works.
 
     H: a float32 copy this function factors in place; or, with an order [in], the symmetric
     matrix to factor as H[order][:, order] (GPTQ's Hessian in its reversed processing order,
     J H J), which is not changed: where the compiled factorisation runs (takes_order) it
     follows the order as it copies H in, elsewhere it factors a reordered copy
     (_reordered). diagonal [in]: the diagonal to factor with in place of the (reordered)
-    matrix's own (GPTQ's, dead inputs pinned to 1). Returns (Hinv, λ, None), or
-    (None, λ, reason) when no λ works. threads: how many threads may share the work
-    (cpu_budget() by default); the bits do not depend on it.
+    matrix's own (GPTQ's, dead inputs pinned to 1). Returns (F, λ, None) with F [in, in]
+    upper triangular in processing order, or (None, λ, reason) when no λ works. threads:
+    how many threads may share the work (cpu_budget() by default); the bits do not depend
+    on it.
     """
     if order is not None and not takes_order(H):
         H, order = _reordered(H, order), None
@@ -112,7 +119,7 @@ def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None, order: 
         return None, damp, f"the Hessian's mean diagonal is {float(mean):.3g}, not positive"
     threads = cpu_budget() if threads is None else threads
     if on_one_thread(H):
-        return _inverse_cholesky_small(H, base, mean, damp, threads, order)
+        return _feedback_small(H, base, mean, damp, threads, order)
     # the blocks' operations run side by side on one thread each (_parallel); between them
     # the copies and small steps run on this thread alone: on two threads each would first
     # wake torch's other OpenMP thread, asleep since the last (a VM's idle core wakes late)
@@ -122,17 +129,27 @@ def inverse_cholesky(H: Tensor, damp: float, threads: int | None = None, order: 
             if attempt:
                 mirror_triangle_(H)
             H.diagonal().copy_(base).add_(mean * lam)
-            if compiled_blocks(H):
-                done = blocked_inverse_cholesky_(H, threads)
-            else:
-                done = cholesky_lower_(H, threads) and inverse_lower_(H, threads)
-            if done:
-                return flip_(H.tril_()), lam, None  # [in, in] upper
+            factored = blocked_cholesky_(H, threads) if compiled_blocks(H) else cholesky_lower_(H, threads)
+            if factored and feedback_of_(H):
+                return H, lam, None  # [in, in] upper
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 
+def feedback_of_(L: Tensor) -> bool:
+    """F (feedback's) in L's memory from the Cholesky factor L [n, n] in its lower triangle
+    (its strict upper triangle is not read): each column divided by its diagonal entry and
+    negated below the diagonal, the diagonal kept, zeros above, then both axes reversed (the
+    compiled ptq_feedback_copy's values). Returns whether every entry is finite."""
+    diagonal = L.diagonal().clone()  # [n]
+    L.div_(diagonal.neg()).tril_(-1)  # a / -d: the bits of -(a / d)
+    L.diagonal().copy_(diagonal)
+    flip_(L)
+    # a float64 sum of float32 values cannot overflow: it is finite iff they all are
+    return bool(torch.isfinite(L.sum(dtype=torch.float64)))
+
+
 def on_one_thread(H: Tensor) -> bool:
-    """Whether inverse_cholesky factors H in one piece (a CPU matrix of at most SMALL rows,
+    """Whether feedback factors H in one piece (a CPU matrix of at most SMALL rows,
     or compiled_rows() where the compiled factorisation runs: from compiled.CHOLESKY_ROWS
     and INVERSE_ROWS rows up its pieces are taken by whichever threads come, the calling
     one alone if no other is free), so that work may run beside it. Decided by the size
@@ -145,7 +162,7 @@ def _compiled(H: Tensor) -> bool:
 
 
 def takes_order(H: Tensor) -> bool:
-    """Whether inverse_cholesky follows an order as it copies H in (the compiled
+    """Whether feedback follows an order as it copies H in (the compiled
     factorisation factors it) rather than factoring a reordered copy."""
     return on_one_thread(H) and _compiled(H)
 
@@ -159,41 +176,34 @@ def _reordered(H: Tensor, order: Tensor) -> Tensor:
     return copy if copy is not None else H.index_select(0, order).index_select(1, order).float()
 
 
-def _inverse_cholesky_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int,
-                            order: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
-    """inverse_cholesky where on_one_thread says so: the compiled factorisation where it
-    runs (compiled_rows; its Cholesky's updates shared by `threads` from
-    compiled.CHOLESKY_ROWS rows up, its inverse's columns shared by
-    `threads` from compiled.INVERSE_ROWS rows up), else LAPACK's Cholesky and triangular
-    inverse on one thread (H is not changed: the damped matrix is a copy). order: as
-    inverse_cholesky's (the compiled factorisation only)."""
+def _feedback_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int,
+                    order: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
+    """feedback where on_one_thread says so: the compiled factorisation where it runs
+    (compiled_rows; its Cholesky's updates shared by `threads` from compiled.CHOLESKY_ROWS
+    rows up), else LAPACK's Cholesky on one thread (H is not changed: the damped matrix is
+    a copy). order: as feedback's (the compiled factorisation only)."""
     if _compiled(H):
-        inverse_of = functools.partial(compiled.inverse_cholesky, threads=threads, order=order)
+        feedback_of = functools.partial(compiled.feedback, threads=threads, order=order)
     else:
-        inverse_of = _lapack_inverse_cholesky
+        feedback_of = _lapack_feedback
     for lam in damp_schedule(damp):
-        inverse = inverse_of(H, base + mean * lam)  # [n, n] lower, or None
-        if inverse is not None:
-            return flip_(inverse), lam, None  # [in, in] upper
+        F = feedback_of(H, base + mean * lam)  # [n, n] upper, or None
+        if F is not None:
+            return F, lam, None
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 
-def _lapack_inverse_cholesky(H: Tensor, diag: Tensor) -> Tensor | None:
-    """compiled.inverse_cholesky by LAPACK on one thread: L⁻¹ (lower, zeros above) for the
-    Cholesky factor L of H with its diagonal replaced by diag; None when that matrix is not
-    positive definite or L⁻¹ is not finite."""
+def _lapack_feedback(H: Tensor, diag: Tensor) -> Tensor | None:
+    """compiled.feedback by LAPACK's Cholesky on one thread: F from the factor L of H with
+    its diagonal replaced by diag; None when that matrix is not positive definite or F is
+    not finite."""
     damped = H.clone()
     damped.diagonal().copy_(diag)
-    with cpu_threads(1):
+    with cpu_threads(1) if H.device.type == "cpu" else contextlib.nullcontext():
         L, info = torch.linalg.cholesky_ex(damped)  # [n, n] lower; reads the lower triangle
-        if int(info) != 0:
-            return None
-        # eye.mT: the identity as a column-major view, which LAPACK's solve copies as it is
-        # instead of transposing (576 rows: 1.71 against 1.99 ms; same bits)
-        eye = torch.eye(H.shape[0], dtype=H.dtype)
-        inverse = torch.linalg.solve_triangular(L, eye.mT, upper=False)  # [n, n] lower
-    # a float64 sum of float32 values cannot overflow: it is finite iff they all are
-    return inverse.tril_() if bool(torch.isfinite(inverse.sum(dtype=torch.float64))) else None
+    if int(info) != 0:
+        return None
+    return L if feedback_of_(L) else None
 
 
 def _parallel(tasks: list, A: Tensor, threads: int) -> list:
@@ -247,7 +257,7 @@ def cholesky_lower_(A: Tensor, threads: int) -> bool:
 
 
 def compiled_blocks(A: Tensor) -> bool:
-    """Whether a matrix above compiled_rows() is factored by blocked_inverse_cholesky_ (a
+    """Whether a matrix above compiled_rows() is factored by blocked_cholesky_ (a
     float32 CPU matrix, where the compiled GEMM runs: AVX-512) rather than by torch's blocks."""
     return A.device.type == "cpu" and A.dtype == torch.float32 and compiled.gemm_available()
 
@@ -271,29 +281,26 @@ def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
             compiled.gemm_subtract(C[r0 : r0 + rows], A[r0 : r0 + rows, p0 : p0 + depth], B[p0 : p0 + depth])
 
 
-def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
-    """cholesky_lower_ then inverse_lower_ (A's lower triangle becomes L⁻¹; its strict upper
-    triangle is neither read nor changed) in COMPILED_BLOCK-wide blocks of ptq's compiled code
-    (linalg.c): each diagonal block's Cholesky factor inverted at once
-    (compiled.inverse_cholesky), and everything else GEMMs (compiled.gemm_subtract) where
+def blocked_cholesky_(A: Tensor, threads: int) -> bool:
+    """cholesky_lower_ (A's lower triangle becomes L; its strict upper triangle is neither
+    read nor changed) in COMPILED_BLOCK-wide blocks of ptq's compiled code (linalg.c): each
+    diagonal block factored and its factor inverted at once (compiled.cholesky,
+    compiled.inverse_of_factor), and everything else GEMMs (compiled.gemm_subtract) where
     LAPACK's path has triangular solves: the blocks below a diagonal one times its inverse
-    factor, the update of the lower triangle to their right a block column at a time, then
-    L⁻¹'s block columns side by side, each block below the diagonal
-    X_ik = -X_ii Σ_{k<=j<i} L_ij X_jk. L's diagonal blocks are never formed: only their
-    inverses are used. Every task runs on one thread and its pieces are fixed by n, and each
-    element of a compiled GEMM gets the same bits from any slice: the same bits on any
-    thread count. Returns False when A is not positive definite or L⁻¹ has an entry that is
-    not finite."""
+    factor, then the update of the lower triangle to their right a block column at a time.
+    Every task runs on one thread and its pieces are fixed by n, and each element of a
+    compiled GEMM gets the same bits from any slice: the same bits on any thread count.
+    Returns False when A is not positive definite."""
     n = A.shape[0]
     edges = _edges(n, COMPILED_BLOCK)
     blocks = list(zip(edges, edges[1:]))
-    inverses = []  # X_kk = L_kk⁻¹ [b, b] lower, of each diagonal block
     for k, (k0, k1) in enumerate(blocks):
         diagonal = A[k0:k1, k0:k1]
-        inverse = compiled.inverse_cholesky(diagonal, diagonal.diagonal())  # reads its lower triangle
+        factor = compiled.cholesky(diagonal, diagonal.diagonal())  # reads its lower triangle; [p, p] padded
+        inverse = None if factor is None else compiled.inverse_of_factor(factor, k1 - k0)  # X_kk = L_kk⁻¹
         if inverse is None:
             return False
-        inverses.append(inverse)
+        _set_lower_(diagonal, factor[: k1 - k0, : k1 - k0])
         if k1 == n:
             break
         panel = A[k1:, k0:k1]  # [n - k1, b]: L_ik = A_ik X_kkᵀ
@@ -314,26 +321,7 @@ def blocked_inverse_cholesky_(A: Tensor, threads: int) -> bool:
             if j1 < n:
                 _gemm_subtract(A[j1:, j0:j1], product[j1 - k1 :], right)
         _parallel([functools.partial(update, j0, j1) for j0, j1 in blocks[k + 1:]], A, threads)
-    negated = [inverse.neg() for inverse in inverses]
-
-    def column(k: int) -> Tensor:  # [n - k0, b]: rows k0.. of L⁻¹'s block column k
-        k0, k1 = blocks[k]
-        X = torch.zeros(n - k0, k1 - k0)
-        X[: k1 - k0] = inverses[k]
-        for i in range(k + 1, len(blocks)):
-            i0, i1 = blocks[i]
-            sums = torch.zeros(i1 - i0, k1 - k0)  # -Σ_j L_ij X_jk
-            _gemm_subtract(sums, A[i0:i1, k0:i0], X[: i0 - k0])
-            _gemm_subtract(X[i0 - k0 : i1 - k0], negated[i], sums)  # 0 - (-X_ii)(-Σ)
-        return X
-
-    solved = _parallel([functools.partial(column, k) for k in range(len(blocks))], A, threads)  # largest first
-    finite = []  # float64 sums: finite iff every entry is
-    for (k0, k1), X in zip(blocks, solved):
-        _set_lower_(A[k0:k1, k0:k1], X[: k1 - k0])
-        A[k1:, k0:k1] = X[k1 - k0 :]
-        finite.append(X.sum(dtype=torch.float64))
-    return bool(torch.isfinite(torch.stack(finite).sum()))
+    return True
 
 
 def _set_lower_(target: Tensor, source: Tensor, diagonal: bool = True, rows: int = 512) -> None:
@@ -347,40 +335,6 @@ def _set_lower_(target: Tensor, source: Tensor, diagonal: bool = True, rows: int
         tile = target[r0:r1, r0:r1]
         lower = torch.ones_like(tile, dtype=torch.bool).tril_(0 if diagonal else -1)
         tile.copy_(torch.where(lower, source[r0:r1, r0:r1], tile))
-
-
-def inverse_lower_(L: Tensor, threads: int) -> bool:
-    """Replace the lower triangle (diagonal included) of L [n, n], lower triangular, with
-    that of L⁻¹; L's strict upper triangle is neither read nor changed. Returns whether
-    every entry of L⁻¹ is finite.
-
-    Columns [c0, c1) of L⁻¹ are zero above row c0, and below it they solve
-    L[c0:, c0:] X = I[c0:, c0:c1]: one triangular solve of (n - c0)² (c1 - c0) multiply-adds
-    per chunk of INVERSE_CHUNK columns, n³/3 in all (as a triangular inverse; a solve
-    against the whole identity does three times that). The chunks are fixed by n, each
-    solve runs on one thread, side by side, the largest first; they read columns of L that
-    the others' results replace, so the results are written back once all are done (about
-    n²/2 floats meanwhile). On SmolLM2's 1536-row Hessian, 2 threads: 11.7 ms, against
-    19.2 ms for a blocked inverse (GEMMs of 256-row blocks, a block column at a time) and
-    20.4 ms for LAPACK's solve against the whole identity (medians of 4)."""
-    n = L.shape[0]
-    edges = _edges(n, INVERSE_CHUNK)
-    chunks = list(zip(edges, edges[1:]))
-
-    def solve(c0: int, c1: int) -> Tensor:  # [n - c0, c1 - c0]: rows c0.. of columns [c0, c1) of L⁻¹
-        identity = torch.zeros(n - c0, c1 - c0, dtype=L.dtype, device=L.device)
-        identity.diagonal().fill_(1)
-        # as Xᵀ Lᵀ = I: L[c0:, c0:]ᵀ is a column-major view LAPACK takes as it is, where
-        # L[c0:, c0:] (row-major, rows longer than its width) would be copied first
-        return torch.linalg.solve_triangular(L[c0:, c0:].mT, identity.mT, upper=True, left=False).mT
-
-    solved = _parallel([functools.partial(solve, c0, c1) for c0, c1 in chunks], L, threads)
-    sums = []  # float64 sums: finite iff every entry is (float32 values cannot overflow them)
-    for (c0, c1), X in zip(chunks, solved):
-        _set_lower_(L[c0:c1, c0:c1], X[: c1 - c0])
-        L[c1:, c0:c1] = X[c1 - c0:]
-        sums.append(X.sum(dtype=torch.float64))
-    return bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def mirror_triangle_(A: Tensor, to_upper: bool = False) -> Tensor:

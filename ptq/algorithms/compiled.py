@@ -36,7 +36,7 @@ from ptq._sources import source_digest
 from ptq.devices import cpu_budget, cpu_parallel
 from ptq.schemes import QuantArgs
 
-ABI = 20  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
+ABI = 21  # PTQ_COMPILED_ABI in quant_math.h: the arguments this module passes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's SCALE_* numbers
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 -> 4 widens bf16
@@ -44,7 +44,7 @@ _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 
 }
 TRANSPOSE_TASK = 1 << 18  # elements of the target per task at least (smaller copies: one task)
 INVERSE_ROWS = 768  # from this many rows, inverse_cholesky's L⁻¹ is shared by threads (below: one)
-CHOLESKY_ROWS = 768  # and its Cholesky's updates (ptq_cholesky_shared)
+CHOLESKY_ROWS = 768  # and the Cholesky's updates (ptq_cholesky_shared)
 
 
 @functools.cache
@@ -66,7 +66,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
                       "beside it (changed since, or a rebuild failed): reinstall ptq (pip install -e .)")
     lib.ptq_gptq_block.restype = ctypes.c_int
     lib.ptq_gptq_block.argtypes = [  # rows r0, r1, positions i1, i2 and the loss's place first: they change
-        _I, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F, _C,
+        _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _C, _F, _F, _P, _I, _F, _C,
     ]
     lib.ptq_gptq_has_float16.restype = ctypes.c_int
     lib.ptq_awq_candidates.restype = ctypes.c_int
@@ -115,6 +115,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ptq_inverse_tiles.argtypes = [_P, _I, _P, _P, _C]
     lib.ptq_inverse_copy.restype = ctypes.c_int
     lib.ptq_inverse_copy.argtypes = [_P, _I, _I, _P]
+    lib.ptq_feedback_copy.restype = ctypes.c_int
+    lib.ptq_feedback_copy.argtypes = [_P, _I, _I, _P]
     lib.ptq_pack_int32.restype = None
     lib.ptq_pack_int32.argtypes = [_P, _I, _I, _I, _C, _P, _I]
     lib.ptq_unpack_int32.restype = None
@@ -331,15 +333,15 @@ def cholesky_scratch(padded: int) -> tuple[Tensor, Tensor]:
     return torch.empty(int(sizes[0])), torch.zeros(int(sizes[1]), dtype=torch.int64)
 
 
-def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
-                     order: Tensor | None = None) -> Tensor | None:
-    """L⁻¹ [n, n] (lower, zeros above) for the Cholesky factor L of H [n, n] (float32 on a
-    CPU, its lower triangle read), or with an order [n] of H[order][:, order] taken as it
-    is copied in (H symmetric: both triangles read), with its diagonal replaced by diag [n]
-    (linalg.c; linalg_available must have said yes); None when that matrix is not positive
-    definite or L⁻¹ is not finite. From CHOLESKY_ROWS rows up the Cholesky's updates (rows
-    of 8, a block column at a time) and from INVERSE_ROWS rows L⁻¹'s tiles of columns are
-    shared by up to `threads` threads (cpu_parallel), each piece the same bits whichever thread
+def cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
+             order: Tensor | None = None) -> Tensor | None:
+    """The Cholesky factor L of H [n, n] (float32 on a CPU, its lower triangle read), or with
+    an order [n] of H[order][:, order] taken as it is copied in (H symmetric: both triangles
+    read), with its diagonal replaced by diag [n] (linalg.c; linalg_available must have said
+    yes), in its lower triangle of a [p, p] buffer, p = n rounded up to 32 (the rest: the
+    identity's; above the diagonal: zeros); None when that matrix is not positive definite.
+    From CHOLESKY_ROWS rows up its updates (rows of 8, a block column at a time) are shared
+    by up to `threads` threads (cpu_parallel), each piece the same bits whichever thread
     computes it; below, it all runs on this thread. One 1536-row Cholesky on the 2-core
     Xeon: 13 ms on one thread, 8.1-8.5 on two. narrow: the AVX2 code even where the CPU has
     AVX-512 (the same bits: for tests)."""
@@ -361,8 +363,22 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
     if status == 3:
         raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")
     assert status != 4, "the compiled Cholesky needs AVX-512, or AVX2 and FMA"
-    if status != 0:
-        return None
+    return A if status == 0 else None
+
+
+def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
+                     order: Tensor | None = None) -> Tensor | None:
+    """L⁻¹ [n, n] (lower, zeros above) for cholesky's factor L (its arguments); None when the
+    matrix is not positive definite or L⁻¹ is not finite."""
+    A = cholesky(H, diag, narrow, threads, order)
+    return None if A is None else inverse_of_factor(A, H.shape[0], narrow, threads)
+
+
+def inverse_of_factor(A: Tensor, n: int, narrow: bool = False, threads: int = 1) -> Tensor | None:
+    """L⁻¹ [n, n] (lower, zeros above) for the factor L that cholesky returned in A; None when
+    an entry is not finite. From INVERSE_ROWS rows up L⁻¹'s tiles of columns are shared by
+    up to `threads` threads, the same bits as on one."""
+    padded, lib = A.shape[0], library()[0]
     X, next_tile = torch.empty(padded, padded, dtype=torch.float32), torch.zeros(1, dtype=torch.int64)
     tiles = functools.partial(lib.ptq_inverse_tiles, A.data_ptr(), padded, X.data_ptr(), next_tile.data_ptr(),
                               int(narrow))
@@ -372,6 +388,23 @@ def inverse_cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int
         tiles()
     out = torch.empty(n, n, dtype=torch.float32)
     return out if lib.ptq_inverse_copy(X.data_ptr(), padded, n, out.data_ptr()) == 0 else None
+
+
+def feedback(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
+             order: Tensor | None = None) -> Tensor | None:
+    """GPTQ's error-feedback matrix F [n, n] (cholesky.feedback) from cholesky's factor L
+    (its arguments) of the matrix in GPTQ's reversed order: F[p, p] = L[m, m] and F[p, k] =
+    -(L[m, b] / L[b, b]) for k > p (m = n - 1 - p, b = n - 1 - k), zeros below the
+    diagonal; None when the matrix is not positive definite or F is not finite."""
+    A = cholesky(H, diag, narrow, threads, order)
+    if A is None:
+        return None
+    n = H.shape[0]
+    out = torch.empty(n, n, dtype=torch.float32)
+    status = library()[0].ptq_feedback_copy(A.data_ptr(), A.shape[0], n, out.data_ptr())
+    if status == 3:
+        raise MemoryError(f"the compiled factorisation ran out of memory for {n} rows")
+    return out if status == 0 else None
 
 
 def abs_column_stat(x: Tensor, stat: str) -> Tensor | None:

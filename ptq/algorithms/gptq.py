@@ -3,9 +3,12 @@
 Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
 Transformers" (2022), Algorithm 1. For each row w of W [out, in] it minimises the layer's
 output error ½ (w - ŵ) H (w - ŵ)ᵀ, H = 2/N Σ x xᵀ, one input column at a time: column q is
-rounded, and its error, divided by the diagonal of the upper Cholesky factor of H⁻¹, moves
-the columns not yet rounded. Updates are applied lazily: inside a block of `block_size`
-columns right away, to the columns after the block once per block.
+rounded, and its error moves the columns not yet rounded. The paper moves them by the
+error divided by the diagonal of the upper Cholesky factor U of H⁻¹, along U's rows; here
+by the error against the original weight, along the rows of the feedback matrix F, which
+comes from the Cholesky factor of H with no inverse (cholesky's docstring: the same codes in
+exact arithmetic). Updates are applied lazily: inside a block of `block_size` columns right
+away, to the columns after the block once per block.
 
 Layout: the working copy of W is kept transposed (`Wt`, [in, out]) so that the column being
 rounded is a contiguous row; positions count columns in processing order, which with
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ptq.algorithms import compiled
-from ptq.algorithms.cholesky import inverse_cholesky, on_one_thread
+from ptq.algorithms.cholesky import feedback, on_one_thread
 from ptq.algorithms.gptq_compiled import BlockLoop, loop_for
 from ptq.algorithms.rtn import rtn
 from ptq.devices import cpu_budget, cpu_parallel, cpu_threads, float32_gemms
@@ -101,18 +104,18 @@ def _gptq(W: Tensor, H: Tensor, args: QuantArgs, scale_dtype: torch.dtype, block
     importance = diag[order]  # [in], in processing order
     threads = cpu_budget()  # read here: inside cpu_parallel below the factorisation would see 1
     reverse = order.flip(0)  # [in]: J, the factorisation's order (cholesky's docstring)
-    # -> Hinv [in, in] upper, damp, failure; H is not changed
-    factor = functools.partial(inverse_cholesky, H.detach(), damp, threads, order=reverse, diagonal=diag[reverse])
+    # -> F [in, in] upper, damp, failure; H is not changed
+    factor = functools.partial(feedback, H.detach(), damp, threads, order=reverse, diagonal=diag[reverse])
     prepare = functools.partial(_working_copy, W, perm, dead, args, actorder)
     if on_one_thread(H) and threads > 1:  # the working copy is made beside the factorisation
-        (Hinv, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
+        (F, used_damp, reason), working = cpu_parallel([factor, prepare], 2)
     else:
-        (Hinv, used_damp, reason), working = factor(), None
-    if Hinv is None:
+        (F, used_damp, reason), working = factor(), None
+    if F is None:
         return _fallback(W, H, dead, args, scale_dtype, used_damp, reason, observer)
-    Wt, members, group = working or prepare()
+    Wt, W0, members, group = working or prepare()
     grid = _Grid(members.shape[0], W.shape[0], args, scale_dtype, observer, importance)
-    Qt, loss = _solve(Wt, Hinv, members, group, grid, block_size, scales)
+    Qt, loss = _solve(Wt, W0, F, members, group, grid, block_size, scales)
 
     g_idx, position = None, None
     if perm is not None:
@@ -182,14 +185,15 @@ def _fallback(
 
 
 def _working_copy(W: Tensor, perm: Tensor | None, dead: Tensor, args: QuantArgs, actorder: str
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Wt [in, out], the weight in processing order with dead inputs' weights zeroed (row p
-    = column perm[p]), and the group layout (_group_layout): what the column loop needs
-    besides H⁻¹."""
+    = column perm[p]), a copy of it that the loop only reads (the original weights its
+    errors are taken against), and the group layout (_group_layout): what the column loop
+    needs besides F."""
     Wt = _transposed_copy(W, perm)
     if bool(dead.any()):
         Wt[dead if perm is None else dead[perm]] = 0
-    return (Wt, *_group_layout(W.shape[1], args, actorder, perm))
+    return (Wt, Wt.clone(), *_group_layout(W.shape[1], args, actorder, perm))
 
 
 def _transposed_copy(W: Tensor, perm: Tensor | None) -> Tensor:
@@ -288,23 +292,24 @@ class _Grid:
 
 
 def _current(
-    Wt: Tensor, Err1: Tensor, Hinv: Tensor, i1: int, i2: int, pos: Tensor, pos_dev: Tensor
+    Wt: Tensor, Err1: Tensor, F: Tensor, i1: int, i2: int, pos: Tensor, pos_dev: Tensor
 ) -> Tensor:
     """Columns at positions pos (ascending, none rounded yet) as they stand now: [size, out].
 
     Those inside the block [i1, i2) are up to date in Wt; those after it still miss the
-    block's pending update -Hinv[i1:i2, pos]ᵀ Err1 (Err1 is zero for unrounded columns).
+    block's pending update -F[i1:i2, pos]ᵀ Err1 (Err1 is zero for unrounded columns).
     """
     x = Wt[pos_dev]  # [size, out]
     late = int((pos < i2).sum())
     if late < len(pos):
-        x[late:] -= Hinv[i1:i2, pos_dev[late:]].t() @ Err1
+        x[late:] -= F[i1:i2, pos_dev[late:]].t() @ Err1
     return x
 
 
 def _solve(
     Wt: Tensor,
-    Hinv: Tensor,
+    W0: Tensor,
+    F: Tensor,
     members: Tensor,
     group: Tensor,
     grid: _Grid,
@@ -313,6 +318,9 @@ def _solve(
 ) -> tuple[Tensor, Tensor]:
     """The column loop over Wt [in, out] (consumed), filling the grid: Qt [in, out] and Σ Losses.
 
+    W0 [in, out]: Wt as it was before the loop (read only); F: cholesky.feedback's matrix.
+    Each rounded column's error against W0, W0[p] - ŵ_p, moves a later column k by
+    -F[p, k] times it; the loss takes its scaled error (Wt[p] - ŵ_p) F[p, p].
     On a CPU, integer weights take the compiled loop (gptq_loop.c, via gptq_compiled) when
     it was built: the same steps without an op dispatched per column; on a GPU, with
     PTQ_GPTQ_LOOP=triton, the Triton loop (gptq_triton: a launch per run of columns between
@@ -322,32 +330,33 @@ def _solve(
     members_dev = members.to(device)
     q_dtype = FP8_DTYPE if grid.args.type == "float" else torch.int8
     Qt = torch.empty(cols, rows, dtype=q_dtype, device=device)  # [in, out]
-    Err1 = torch.zeros(min(block_size, cols), rows, device=device)  # [block, out]
-    loss = torch.zeros((), device=device)
     first: dict[int, int] = {}  # position -> group whose parameters are fitted there
     if scales == "original":
         grid.fit_(slice(None), Wt[members_dev], members_dev)
     else:
         first = {p: g for g, p in enumerate(members[:, 0].tolist())}
     loop = loop_for(device, grid.args, grid.scale_dtype)
-    if loop == "triton":
-        from ptq.algorithms import gptq_triton  # imports triton: only where it runs
-
-        if gptq_triton.applies(grid.scale_dtype, block_size, Wt.numel()):
-            loss = gptq_triton.solve_blocks(Wt, Hinv, Err1, Qt, members, members_dev, group, first, grid,
-                                            block_size, _current)
-            return Qt, loss
     if loop == "compiled":
         first_at = torch.full((cols,), -1, dtype=torch.long)  # [in]
         first_at[list(first)] = torch.tensor(list(first.values()), dtype=torch.long)
-        blocks = BlockLoop(Wt, Hinv, Err1, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,
+        blocks = BlockLoop(Wt, W0, F, Qt, group, first_at, members, grid.importance, grid.scale_f, grid.zero,
                            grid.args, grid.scale_dtype, grid.observer, cpu_budget())
         loss = blocks.solve(block_size)
         grid.scale.copy_(grid.scale_f)  # the compiled loop fills the float32 copy, in scale_dtype's values
         return Qt, loss
+    Err1 = torch.zeros(min(block_size, cols), rows, device=device)  # [block, out]: errors against W0
+    Scaled = torch.empty_like(Err1)  # [block, out]: the scaled errors, for the loss
+    if loop == "triton":
+        from ptq.algorithms import gptq_triton  # imports triton: only where it runs
 
+        if gptq_triton.applies(grid.scale_dtype, block_size, Wt.numel()):
+            loss = gptq_triton.solve_blocks(Wt, W0, F, Err1, Scaled, Qt, members, members_dev, group, first, grid,
+                                            block_size, _current)
+            return Qt, loss
+
+    loss = torch.zeros((), device=device)
     group_of = group.tolist()
-    W_rows, Q_rows = Wt.unbind(0), Qt.unbind(0)  # [out] views, made once
+    W_rows, W0_rows, Q_rows = Wt.unbind(0), W0.unbind(0), Qt.unbind(0)  # [out] views, made once
     # On a CPU the column loop runs on one thread and only the lazy block updates (GEMMs)
     # on all: the loop's ops are small (a column, a group), and on more threads each pays
     # an OpenMP fork and join, on a busy CPU a wait for a descheduled thread (issue 15: the
@@ -357,20 +366,21 @@ def _solve(
     with cpu_threads(1) if cpu else contextlib.nullcontext():
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
-            Hinv1 = Hinv[i1:i2, i1:i2]  # [block, block]
-            H_rows, pivots = Hinv1.unbind(0), Hinv1.diagonal().tolist()
-            E = Err1[: i2 - i1].zero_()  # [block, out]
-            E_rows = E.unbind(0)
+            F1 = F[i1:i2, i1:i2]  # [block, block]
+            F_rows = F1.unbind(0)
+            E, S = Err1[: i2 - i1].zero_(), Scaled[: i2 - i1]  # [block, out]
+            E_rows, S_rows = E.unbind(0), S.unbind(0)
             for i in range(i2 - i1):
                 p = i1 + i
                 g = first.get(p)
                 if g is not None:
-                    grid.fit_(g, _current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]), members_dev[g])
+                    grid.fit_(g, _current(Wt, E, F, i1, i2, members[g], members_dev[g]), members_dev[g])
                 w = W_rows[p]  # [out]
                 q = grid.round_column(w, group_of[p], Q_rows[p])  # [out], dequantized
-                err1 = torch.sub(w, q, out=E_rows[i]).div_(pivots[i])
-                Wt[p + 1 : i2].addr_(H_rows[i][i + 1 :], err1, alpha=-1)
-            loss += E.square().sum() / 2
+                torch.sub(w, q, out=S_rows[i])
+                err1 = torch.sub(W0_rows[p], q, out=E_rows[i])
+                Wt[p + 1 : i2].addr_(F_rows[i][i + 1 :], err1, alpha=-1)
+            loss += S.mul_(F1.diagonal().unsqueeze(1)).square().sum() / 2
             with cpu_threads(threads) if cpu else contextlib.nullcontext():
-                Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+                Wt[i2:].addmm_(F[i1:i2, i2:].t(), E, alpha=-1)
     return Qt, loss

@@ -4,7 +4,7 @@ loads it), called with ctypes.
 The torch loop (gptq._solve) dispatches about ten small ops per column; at SmolLM2's
 shapes that was most of the solve time, and on a busy CPU each op is a chance to wait
 (issue 15). The compiled loop does a block of columns per call. Rows are independent
-given H⁻¹, so each thread takes a slice of the rows through every block, lazy updates
+given F, so each thread takes a slice of the rows through every block, lazy updates
 included (ctypes and torch let go of the GIL meanwhile): what each row gets is the same
 for any thread count.
 
@@ -62,29 +62,32 @@ class BlockLoop:
     """The compiled loop over one weight: `solve(block_size)` runs it, a block of positions
     at a time.
 
-    Wt [cols, R] float32, Hinv [cols, cols] float32 (any strides), E [block, R] and
-    Qt [cols, R] int8, all contiguous where not said otherwise; group [cols] the group of each
+    Wt [cols, R] float32 (each row, once rounded, holds its errors against W0: the block's
+    rows are its errors for the lazy update) and W0, the same before the loop (read only),
+    F [cols, cols] float32 (cholesky.feedback's; any strides) and Qt [cols, R] int8, all
+    contiguous where not said otherwise; group [cols] the group of each
     position, first [cols] the group fitted at each position (-1: none), members
     [groups, size], importance [cols]; scale, zero [groups, R] float32 (zero None when
     symmetric), filled as groups are fitted. portable: not the AVX-512 code for the block's
     updates (the same bits: for tests).
     """
 
-    def __init__(self, Wt: Tensor, Hinv: Tensor, E: Tensor, Qt: Tensor, group: Tensor, first: Tensor,
+    def __init__(self, Wt: Tensor, W0: Tensor, F: Tensor, Qt: Tensor, group: Tensor, first: Tensor,
                  members: Tensor, importance: Tensor, scale: Tensor, zero: Tensor | None, args: QuantArgs,
                  scale_dtype: torch.dtype, observer: str, threads: int, portable: bool = False):
         self._lib = compiled.library()[0]
-        self._Wt, self._Hinv, self._E = Wt, Hinv, E
+        self._Wt, self._F = Wt, F
         mse = observer == "mse"
         candidates = torch.tensor(MSE_COARSE if mse else (1.0,), dtype=torch.float32)
         group, first, members = group.long().contiguous(), first.long().contiguous(), members.long().contiguous()
         importance = importance.float().contiguous()
         self._keep = (group, first, members, importance, candidates)  # alive while C reads them
-        for t in (Wt, E, Qt, scale) + (() if zero is None else (zero,)):
+        for t in (Wt, W0, Qt, scale) + (() if zero is None else (zero,)):
+            assert t.shape[-1] == Wt.shape[1], "the loop's rows of R elements"
             assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
         self._slices = row_slices(Wt.shape[1], threads)
         self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2 and the loss's place
-            Wt.data_ptr(), Wt.shape[1], Hinv.data_ptr(), Hinv.stride(0), Hinv.stride(1), E.data_ptr(), Qt.data_ptr(),
+            Wt.data_ptr(), W0.data_ptr(), Wt.shape[1], F.data_ptr(), F.stride(0), F.stride(1), Qt.data_ptr(),
             group.data_ptr(), first.data_ptr(), members.data_ptr(), members.shape[1],
             importance.data_ptr() if mse else None, scale.data_ptr(), None if zero is None else zero.data_ptr(),
             compiled.KINDS[scale_dtype], float(args.qmin), float(args.qmax), candidates.data_ptr(),
@@ -106,7 +109,7 @@ class BlockLoop:
         compiled GEMM by construction; MKL sums an element's products in one order whatever
         the output's width; the tests check the codes at 1 to 3 threads, i.e. 1 to 3
         slices)."""
-        Wt, Hinv, E = self._Wt, self._Hinv, self._E
+        Wt, F = self._Wt, self._F
         cols = Wt.shape[0]
         starts = list(range(0, cols, block_size))
         losses = torch.zeros(len(starts), len(self._slices), dtype=torch.float64)  # [block, slice]
@@ -116,11 +119,11 @@ class BlockLoop:
         def rows(k: int, r0: int, r1: int) -> int:
             for b, i1 in enumerate(starts):
                 i2 = min(i1 + block_size, cols)
-                # the block's Σ e² (its scaled errors on the slice) into losses[b, k]
+                # the block's Σ s² (its scaled errors on the slice) into losses[b, k]
                 if block(r0, r1, i1, i2, losses[b, k].data_ptr(), *self._fixed):
                     return 1
                 if i2 < cols:
-                    lazy_update(Wt[i2:, r0:r1], Hinv[i1:i2, i2:].t(), E[: i2 - i1, r0:r1])
+                    lazy_update(Wt[i2:, r0:r1], F[i1:i2, i2:].t(), Wt[i1:i2, r0:r1])  # the block's errors
             return 0
 
         tasks = [functools.partial(rows, k, r0, r1) for k, (r0, r1) in enumerate(self._slices)]

@@ -3,7 +3,7 @@
    The torch reference is ptq/algorithms/gptq.py (_solve, _Grid, _current) and
    ptq/primitives.py (qparams_from_minmax, qparams_mse, _rounding_error): this file does the
    same arithmetic in the same float32 steps, one row at a time, so that no op is dispatched
-   per column. Rows are independent given H⁻¹, so callers split them across threads, each
+   per column. Rows are independent given F, so callers split them across threads, each
    thread calling ptq_gptq_block on its own slice [r0, r1): what one row gets does not
    depend on the split, the thread count or the vector width.
 
@@ -13,15 +13,20 @@
    hence in an occasional rounding decision near a tie.
 
    Layout (as in gptq.py): Wt [cols, R] is the working weight transposed, row p the column
-   at position p in processing order; Hinv [cols, cols] the upper Cholesky factor of H⁻¹ in
-   processing order; E [block, R] the block's scaled errors; Qt [cols, R] the int8 codes;
-   scale, zero [groups, R] float32 (scale values exactly representable in the scale dtype). */
+   at position p in processing order, and W0 [cols, R] the same before any update; F
+   [cols, cols] the error-feedback matrix in processing order (cholesky.feedback: upper
+   triangular, its diagonal the factor's); Qt [cols, R] the int8 codes; scale, zero
+   [groups, R] float32 (scale values exactly representable in the scale dtype). Once
+   rounded, a column's row of Wt holds its error against the original weights,
+   W0 - dequantized (the torch loop's E, which needs no room of its own here: the block's
+   rows of Wt and its errors would not both stay in a core's L2 cache, 2 x 768 KiB on
+   SmolLM2's gate/up, 3072 x 576, two slices). */
 
 #include "quant_math.h"
 
 typedef struct {
     int64_t R, r0, n;      /* row stride, first row, rows in the slice */
-    int64_t hs0, hs1;      /* Hinv's strides: element [k, j] at k * hs0 + j * hs1 */
+    int64_t hs0, hs1;      /* F's strides: element [k, j] at k * hs0 + j * hs1 */
     float qmin, qmax;
     int32_t kind;          /* SCALE_* */
     int32_t asym;
@@ -88,8 +93,8 @@ VECTORIZED static void rounding_error(const Shape *s, const float *x, int64_t si
 
 /* The group's columns as they stand at position p (gptq._current): members inside the
    block are up to date in Wt; later ones still miss the block's pending update,
-   -Σ_{k in [i1, p)} Hinv[k, P] E[k - i1]. Copied into x [size, n]. */
-VECTORIZED static void current(const Shape *s, const float *Wt, const float *Hinv, const float *E,
+   -Σ_{k in [i1, p)} F[k, P] E[k - i1]. Copied into x [size, n]. */
+VECTORIZED static void current(const Shape *s, const float *Wt, const float *F, const float *E,
                                const int64_t *pos, int64_t size, int64_t i1, int64_t i2, int64_t p,
                                float *x, float *acc) {
     for (int64_t m = 0; m < size; m++) {
@@ -101,7 +106,7 @@ VECTORIZED static void current(const Shape *s, const float *Wt, const float *Hin
         for (int64_t r = 0; r < s->n; r++)
             acc[r] = 0;
         for (int64_t k = i1; k < p; k++) {
-            const float h = Hinv[k * s->hs0 + P * s->hs1];
+            const float h = F[k * s->hs0 + P * s->hs1];
             const float *e = E + (k - i1) * s->R + s->r0;
             for (int64_t r = 0; r < s->n; r++)
                 acc[r] += h * e[r];
@@ -170,8 +175,9 @@ static int fit(const Shape *s, const float *x, int64_t size, const float *import
     return 0;
 }
 
-ALWAYS_INLINE void round_column_as(int64_t n, const float *w, const float *scale, const float *zero, float pivot,
-                                   float qmin, float qmax, int8_t *q, float *e, const int asym, const int kind) {
+ALWAYS_INLINE void round_column_as(int64_t n, float *w, const float *w0, const float *scale, const float *zero,
+                                   float pivot, float qmin, float qmax, int8_t *q, double *squares,
+                                   const int asym, const int kind) {
     for (int64_t r = 0; r < n; r++) {
         float t = w[r] / scale[r];
         if (asym)
@@ -181,15 +187,19 @@ ALWAYS_INLINE void round_column_as(int64_t n, const float *w, const float *scale
         if (asym)
             t = t - zero[r];
         const float dq = to_scale_dtype(t * scale[r], kind);
-        e[r] = (w[r] - dq) / pivot;
+        const float scaled = (w[r] - dq) * pivot;
+        squares[r] += (double)scaled * (double)scaled;
+        w[r] = w0[r] - dq;
     }
 }
 
-/* Round column w [n] with its group's scale and zero into q; the scaled error
-   (w - dequantized) / pivot into e (gptq._Grid.round_column, then _solve). */
-VECTORIZED static void round_column(const Shape *s, const float *w, const float *scale, const float *zero,
-                                    float pivot, int8_t *q, float *e) {
-#define ROUND_AS(asym, kind) round_column_as(s->n, w, scale, zero, pivot, s->qmin, s->qmax, q, e, asym, kind)
+/* Round column w [n] with its group's scale and zero into q; then w becomes its error
+   against the original weights, w0 - dequantized, and the square of its scaled error
+   (w - dequantized) * pivot is added to squares (gptq._Grid.round_column, then _solve). */
+VECTORIZED static void round_column(const Shape *s, float *w, const float *w0, const float *scale,
+                                    const float *zero, float pivot, int8_t *q, double *squares) {
+#define ROUND_AS(asym, kind) \
+    round_column_as(s->n, w, w0, scale, zero, pivot, s->qmin, s->qmax, q, squares, asym, kind)
     WITH_CONSTANT_KIND(s, ROUND_AS);
 #undef ROUND_AS
 }
@@ -203,7 +213,7 @@ VECTORIZED static void update(float *w, const float *e, float h, int64_t n) {
 #if HAS_AVX512 /* (quant_math.h) */
 enum { LANES = 16, TILE = 8 }; /* a tile: TILE vectors of LANES of the slice's rows, held in registers */
 
-/* Wt[k] -= Hinv[j, k] E[j - i1] for j in [c0, c1) on `vectors` (at most TILE) vectors of rows
+/* Wt[k] -= F[j, k] E[j - i1] for j in [c0, c1) on `vectors` (at most TILE) vectors of rows
    from w = Wt row k + offset, the last one masked by `last`; e = E's row c0 - i1, same offset */
 AVX512 static inline __attribute__((always_inline)) void update_tile(float *w, const float *e, int64_t R,
                                                                      const float *h, int64_t hs0, int64_t columns,
@@ -227,34 +237,34 @@ AVX512 static inline __attribute__((always_inline)) void update_tile(float *w, c
    (a whole block of 128 columns with min-max ranges, on one Zen 5 core at 256-1536 rows: 80-91
    GFLOP/s of updates against 43-61 with the loop below; with mse ranges the range search takes most of
    the time) */
-AVX512 static void update_rows_avx512(const Shape *s, float *Wt, const float *E, const float *Hinv, int64_t i1,
+AVX512 static void update_rows_avx512(const Shape *s, float *Wt, const float *E, const float *F, int64_t i1,
                                       int64_t c0, int64_t c1, int64_t k0, int64_t k1) {
     const float *e = E + (c0 - i1) * s->R + s->r0;
     int64_t a = 0;
     for (; a + TILE * LANES <= s->n; a += TILE * LANES) /* whole tiles (their errors stay in L1 over k) */
         for (int64_t k = k0; k < k1; k++)
-            update_tile(Wt + k * s->R + s->r0 + a, e + a, s->R, Hinv + c0 * s->hs0 + k * s->hs1, s->hs0, c1 - c0,
+            update_tile(Wt + k * s->R + s->r0 + a, e + a, s->R, F + c0 * s->hs0 + k * s->hs1, s->hs0, c1 - c0,
                         TILE, 0xFFFF);
     for (; a < s->n; a += LANES) { /* the rest a vector at a time, the last one masked */
         const int64_t left = s->n - a;
         const __mmask16 last = left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         for (int64_t k = k0; k < k1; k++)
-            update_tile(Wt + k * s->R + s->r0 + a, e + a, s->R, Hinv + c0 * s->hs0 + k * s->hs1, s->hs0, c1 - c0,
+            update_tile(Wt + k * s->R + s->r0 + a, e + a, s->R, F + c0 * s->hs0 + k * s->hs1, s->hs0, c1 - c0,
                         1, last);
     }
 }
 #endif
 
-/* The updates of columns [c0, c1) on the block's rows [k0, k1): Wt[k] -= Hinv[j, k] E[j - i1]
+/* The updates of columns [c0, c1) on the block's rows [k0, k1): Wt[k] -= F[j, k] E[j - i1]
    for j from c0 up, a chunk of the slice's rows at a time, so that each Wt row is read and
    written once for all those columns (and their errors stay in the L1 cache) instead of
    once per column. Every element takes the same operations in the same order as from
    `update` column by column: the bits are the same. */
-VECTORIZED static void update_rows(const Shape *s, float *Wt, const float *E, const float *Hinv, int64_t i1,
+VECTORIZED static void update_rows(const Shape *s, float *Wt, const float *E, const float *F, int64_t i1,
                                    int64_t c0, int64_t c1, int64_t k0, int64_t k1) {
 #if HAS_AVX512
     if (s->wide) {
-        update_rows_avx512(s, Wt, E, Hinv, i1, c0, c1, k0, k1);
+        update_rows_avx512(s, Wt, E, F, i1, c0, c1, k0, k1);
         return;
     }
 #endif
@@ -264,43 +274,32 @@ VECTORIZED static void update_rows(const Shape *s, float *Wt, const float *E, co
         for (int64_t k = k0; k < k1; k++) {
             float *w = Wt + k * s->R + s->r0 + a;
             for (int64_t j = c0; j < c1; j++)
-                update(w, E + (j - i1) * s->R + s->r0 + a, Hinv[j * s->hs0 + k * s->hs1], len);
+                update(w, E + (j - i1) * s->R + s->r0 + a, F[j * s->hs0 + k * s->hs1], len);
         }
     }
 }
 
-/* Σ e² over E's rows [0, rows) of the slice's columns [r0, r0 + n), in double: the products
-   of eight lanes of columns summed apart (vectorizable in a fixed order), then the lanes in order */
-static double sum_squares(const float *E, int64_t R, int64_t r0, int64_t n, int64_t rows) {
-    enum { LANES8 = 8 };
-    double lanes[LANES8] = {0};
-    for (int64_t m = 0; m < rows; m++) {
-        const float *e = E + m * R + r0;
-        int64_t r = 0;
-        for (; r + LANES8 <= n; r += LANES8)
-            for (int j = 0; j < LANES8; j++)
-                lanes[j] += (double)e[r + j] * (double)e[r + j];
-        for (; r < n; r++)
-            lanes[r % LANES8] += (double)e[r] * (double)e[r];
-    }
+/* Σ squares[r] over the slice's rows, in order */
+static double sum_rows(const double *squares, int64_t n) {
     double total = 0;
-    for (int j = 0; j < LANES8; j++)
-        total += lanes[j];
+    for (int64_t r = 0; r < n; r++)
+        total += squares[r];
     return total;
 }
 
 /* GPTQ's column loop over positions [i1, i2) for rows [r0, r1): quantizes each column into
-   Qt, its scaled error into E, and moves the block's later columns by it; at a position
+   Qt, its error into its row of Wt, and moves the block's later columns by it; at a position
    where first_group names a group, fits that group's parameters first.
    group_of [cols], first_group [cols] (-1: none), members [groups, size] (positions,
    ascending), importance [cols] (diag H in processing order; NULL: all alike).
    candidates [ncandidates]: the shrink factors tried (mse: MSE_COARSE; min-max: {1.0});
    fine > 0: the mse search's fine step. portable: not the AVX-512 updates, which give the
-   same bits (for tests). *loss: Σ e² of the block's scaled errors on the slice (the block's
-   Losses, times 2). Returns 0, or 1 when memory ran out. */
-int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss, float *Wt, int64_t R,
-                   const float *Hinv,
-                   int64_t hs0, int64_t hs1, float *E, int8_t *Qt, const int64_t *group_of,
+   same bits (for tests). *loss: Σ s² of the block's scaled errors on the slice (the block's
+   Losses, times 2), each row's summed over the columns, then the rows in order. Returns 0,
+   or 1 when memory ran out. */
+int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss, float *Wt, const float *W0,
+                   int64_t R, const float *F, int64_t hs0, int64_t hs1, int8_t *Qt,
+                   const int64_t *group_of,
                    const int64_t *first_group, const int64_t *members, int64_t size, const float *importance,
                    float *scale, float *zero, int32_t kind, float qmin, float qmax, const float *candidates,
                    int64_t ncandidates, float fine, int32_t portable) {
@@ -315,6 +314,10 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss,
     if (s.n <= 0)
         return 0;
     float *x = NULL, *acc = NULL, *imp = NULL;
+    const float *E = Wt + i1 * R; /* the block's errors: its rows of Wt once rounded */
+    double *squares = calloc((size_t)s.n, sizeof(double));
+    if (!squares)
+        return 1;
     int status = 0;
     /* Columns go in runs [b0, b1) of at most RUN: a column's error moves the run's later
        rows at once, the rows after the run when the run ends (update_rows). Rows [p, b1)
@@ -325,7 +328,7 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss,
     for (int64_t p = i1; p < i2 && status == 0; p++) {
         const int64_t fg = first_group[p];
         if (p == b1 || fg >= 0) {
-            update_rows(&s, Wt, E, Hinv, i1, b0, p, b1, i2);
+            update_rows(&s, Wt, E, F, i1, b0, p, b1, i2);
             b0 = p;
             b1 = p + RUN < i2 ? p + RUN : i2;
         }
@@ -340,7 +343,7 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss,
                 acc = x + size * s.n;
                 imp = acc + s.n;
             }
-            current(&s, Wt, Hinv, E, pos, size, i1, i2, p, x, acc);
+            current(&s, Wt, F, E, pos, size, i1, i2, p, x, acc);
             if (importance)
                 for (int64_t m = 0; m < size; m++)
                     imp[m] = importance[pos[m]];
@@ -350,15 +353,16 @@ int ptq_gptq_block(int64_t r0, int64_t r1, int64_t i1, int64_t i2, double *loss,
                 break;
         }
         const int64_t g = group_of[p];
-        float *e = E + (p - i1) * R + r0;
-        round_column(&s, Wt + p * R + r0, scale + g * R + r0, zero ? zero + g * R + r0 : NULL,
-                     Hinv[p * hs0 + p * hs1], Qt + p * R + r0, e);
+        float *e = Wt + p * R + r0;
+        round_column(&s, e, W0 + p * R + r0, scale + g * R + r0, zero ? zero + g * R + r0 : NULL,
+                     F[p * hs0 + p * hs1], Qt + p * R + r0, squares);
         for (int64_t k = p + 1; k < b1; k++)
-            update(Wt + k * R + r0, e, Hinv[p * hs0 + k * hs1], s.n);
+            update(Wt + k * R + r0, e, F[p * hs0 + k * hs1], s.n);
     }
     free(x);
     if (status == 0)
-        *loss = sum_squares(E, R, r0, s.n, i2 - i1);
+        *loss = sum_rows(squares, s.n);
+    free(squares);
     return status;
 }
 

@@ -4,15 +4,16 @@ The torch loop (gptq._solve) dispatches about ten small ops per column. On the f
 run (H200, a Llama-3-8B-shaped layer: 26,624 columns in four solves) that was 4.6 s of a
 layer's 10.6, almost all of it launches of kernels over one column of a few thousand rows.
 Here one launch runs a block's columns up to the next group fit: rows are independent given
-H⁻¹, so each program takes a slice of the rows and keeps the block's rows of that slice in
+F (cholesky.feedback), so each program takes a slice of the rows and keeps the block's rows of that slice in
 registers while it rounds the columns one by one and feeds each column's error forward. The
 group fits (a group's scale and zero point, fitted when its first column is reached) stay in
 torch between launches, as do the lazy update after each block (one GEMM) and the loss.
 
 Each column is rounded as the torch loop rounds it: t = w / s (IEEE division), + zero,
 clamped, rounded half to even, the code stored; then (t - zero) in the scale dtype times the
-scale, rounded to the scale dtype, is the dequantized value; the error (w - ŵ) / pivot
-(IEEE division) moves the block's later columns. The kernel rounds to bf16 with integer bit
+scale, rounded to the scale dtype, is the dequantized value; the error against the original
+weight, w0 - ŵ, moves the block's later columns, and the scaled error (w - ŵ) · pivot goes
+to the loss. The kernel rounds to bf16 with integer bit
 operations (Triton 3.9's interpreter truncates the cast). The updates of the later columns
 round as the compiler contracts them (a fused multiply-add on a GPU; torch's CPU addr_ fuses
 most of its elements too, not all), so the codes can differ from the torch loop's where a
@@ -58,11 +59,13 @@ def _to_scale_dtype(v, KIND: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["i1", "i2", "c0", "c1"])  # one compiled kernel for every block
-def _columns_kernel(Wt, Hinv, E, Qt, scale, zero, group_of, R, i1, i2, c0, c1, stride_h, stride_hc, qmin, qmax,
-                    HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Columns c0..c1-1 of the block [i1, i2) for rows pid * BLOCK_R ...: round, store the code
-    and the scaled error (E's row p - i1), and subtract the error's share from the block's later
-    columns; the block's columns from c0 on are read once and written back at the end."""
+def _columns_kernel(Wt, W0, F, E, S, Qt, scale, zero, group_of, R, i1, i2, c0, c1, stride_h, stride_hc, qmin,
+                    qmax, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """Columns c0..c1-1 of the block [i1, i2) for rows pid * BLOCK_R ...: round, store the code,
+    the error against W0 (E's row p - i1) and the scaled error (S's), and subtract the error's
+    share from the block's later columns; the block's columns from c0 on are read once and
+    written back at the end."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]: weight rows, Wt's columns
     c_mask = cols < R
@@ -86,21 +89,25 @@ def _columns_kernel(Wt, Hinv, E, Qt, scale, zero, group_of, R, i1, i2, c0, c1, s
         # (t in the scale dtype) x scale, rounded to the scale dtype: bf16 and fp16 products are
         # exact in fp32, so one rounding gives what the scale dtype's multiplication gives
         q = _to_scale_dtype(_to_scale_dtype(t, SCALE_KIND) * s, SCALE_KIND)
-        pivot = tl.load(Hinv + p * stride_h + p * stride_hc)
-        err = tl.math.div_rn(w - q, pivot)  # [BR]
+        pivot = tl.load(F + p * stride_h + p * stride_hc)
+        tl.store(S + (p - i1) * R + cols, (w - q) * pivot, mask=c_mask)
+        err = tl.load(W0 + p * R + cols, mask=c_mask, other=0.0) - q  # [BR]
         tl.store(E + (p - i1) * R + cols, err, mask=c_mask)
-        h = tl.load(Hinv + p * stride_h + rows * stride_hc, mask=(rows > p) & (rows < i2), other=0.0)  # [BLOCK]
+        h = tl.load(F + p * stride_h + rows * stride_hc, mask=(rows > p) & (rows < i2), other=0.0)  # [BLOCK]
         tile = tile - h[:, None] * err[None, :]
     tl.store(tile_ptrs, tile, mask=live[:, None] & c_mask[None, :])
 
 
-def solve_blocks(Wt: Tensor, Hinv: Tensor, Err1: Tensor, Qt: Tensor, members: Tensor, members_dev: Tensor,
-                 group: Tensor, first: dict[int, int], grid, block_size: int, current) -> Tensor:
-    """The column loop over Wt [in, out] (consumed) with the kernel, filling Qt and the grid's
-    parameters; returns Σ Losses. first: position -> the group fitted there; current: gptq's
-    _current (a group's columns as they stand); grid: gptq's _Grid."""
+def solve_blocks(Wt: Tensor, W0: Tensor, F: Tensor, Err1: Tensor, Scaled: Tensor, Qt: Tensor, members: Tensor,
+                 members_dev: Tensor, group: Tensor, first: dict[int, int], grid, block_size: int,
+                 current) -> Tensor:
+    """The column loop over Wt [in, out] (consumed; W0 its copy from before, read only) with
+    the kernel, filling Qt and the grid's parameters; returns Σ Losses. F: the feedback
+    matrix; Err1, Scaled [block, out]: room for a block's errors and scaled errors; first:
+    position -> the group fitted there; current: gptq's _current (a group's columns as they
+    stand); grid: gptq's _Grid."""
     cols, R = Wt.shape
-    for t in (Wt, Err1, Qt, grid.scale_f) + (() if grid.zero is None else (grid.zero,)):
+    for t in (Wt, W0, Err1, Scaled, Qt, grid.scale_f) + (() if grid.zero is None else (grid.zero,)):
         assert t.is_contiguous(), "the Triton loop indexes rows of R elements"
     group_of = group.to(device=Wt.device, dtype=torch.int32)
     zero = grid.zero
@@ -112,7 +119,7 @@ def solve_blocks(Wt: Tensor, Hinv: Tensor, Err1: Tensor, Qt: Tensor, members: Te
     k = 0  # the next fit in `fits`
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        E = Err1[: i2 - i1].zero_()  # [block, out]
+        E, S = Err1[: i2 - i1].zero_(), Scaled[: i2 - i1]  # [block, out]
         cuts = [i1]
         while k < len(fits) and fits[k] < i2:
             if fits[k] > i1:
@@ -121,14 +128,14 @@ def solve_blocks(Wt: Tensor, Hinv: Tensor, Err1: Tensor, Qt: Tensor, members: Te
         for c0, c1 in zip(cuts, cuts[1:] + [i2]):
             g = first.get(c0)
             if g is not None:
-                grid.fit_(g, current(Wt, E, Hinv, i1, i2, members[g], members_dev[g]), members_dev[g])
+                grid.fit_(g, current(Wt, E, F, i1, i2, members[g], members_dev[g]), members_dev[g])
             _columns_kernel[launches](
-                Wt, Hinv, E, Qt, grid.scale_f, zero if zero is not None else grid.scale_f, group_of,
-                R, i1, i2, c0, c1, Hinv.stride(0), Hinv.stride(1), float(grid.args.qmin), float(grid.args.qmax),
+                Wt, W0, F, E, S, Qt, grid.scale_f, zero if zero is not None else grid.scale_f, group_of,
+                R, i1, i2, c0, c1, F.stride(0), F.stride(1), float(grid.args.qmin), float(grid.args.qmax),
                 HAS_ZERO=zero is not None, SCALE_KIND=kind, BLOCK=block, BLOCK_R=BLOCK_R,
                 num_warps=4,
             )
-        loss += E.square().sum() / 2
+        loss += S.square().sum() / 2
         if i2 < cols:
-            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), E, alpha=-1)
+            Wt[i2:].addmm_(F[i1:i2, i2:].t(), E, alpha=-1)
     return loss

@@ -2,8 +2,9 @@
    only: linalg_avx2.c), compiled: the lower Cholesky factor L of a Hessian
    (ptq_cholesky_padded, on one thread, or ptq_cholesky_shared: its pieces shared by the
    threads that call it)
-   and its inverse L⁻¹ (ptq_inverse_tiles: tiles of columns, shared likewise), and the column
-   loop's lazy updates C -= A·B (ptq_gemm_subtract).
+   and from it GPTQ's error-feedback matrix (ptq_feedback_copy), the inverse L⁻¹ of a
+   diagonal block's factor (ptq_inverse_tiles: tiles of columns, shared likewise), and the
+   column loop's lazy updates C -= A·B (ptq_gemm_subtract).
 
    The torch references are ptq/algorithms/cholesky.py (_inverse_cholesky_small: LAPACK's
    potrf and a triangular solve against the identity, on one thread) and
@@ -405,6 +406,33 @@ void ptq_inverse_tiles(const float *A, int64_t np, float *X, int64_t *next, int3
 #else
     (void)A, (void)np, (void)X, (void)next, (void)narrow;
 #endif
+}
+
+/* GPTQ's error-feedback matrix F [n, n] (out, contiguous; cholesky.feedback) from the
+   Cholesky factor L of J H J in A [np, np] (J reverses the order): with m = n - 1 - p and
+   b = n - 1 - k, F[p][p] = L[m][m] and F[p][k] = -(L[m][b] / L[b][b]) for k > p, zeros
+   below the diagonal. Returns 0, or 2 when an entry is not finite. */
+int ptq_feedback_copy(const float *A, int64_t np, int64_t n, float *out) {
+    float *diagonal = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!diagonal)
+        return 3;
+    for (int64_t b = 0; b < n; b++)
+        diagonal[b] = A[b * np + b];
+    int finite = 1;
+    for (int64_t p = 0; p < n; p++) {
+        const int64_t m = n - 1 - p;
+        const float *a = A + m * np;
+        float *f = out + p * n;
+        memset(f, 0, (size_t)p * sizeof(float));
+        f[p] = a[m];
+        for (int64_t b = 0; b < m; b++) {
+            const float v = -(a[b] / diagonal[b]);
+            finite &= isfinite(v) != 0;
+            f[n - 1 - b] = v;
+        }
+    }
+    free(diagonal);
+    return finite ? 0 : 2;
 }
 
 int ptq_inverse_copy(const float *X, int64_t np, int64_t n, float *out) {

@@ -11,7 +11,7 @@
 
 /* ptq_compiled_abi's answer: raised whenever an exported function's arguments change, so that
    a library built before (an editable install not rebuilt) is refused instead of called wrongly */
-enum { PTQ_COMPILED_ABI = 20 };
+enum { PTQ_COMPILED_ABI = 21 };
 
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 }; /* also the dtypes of weights and outputs */
 

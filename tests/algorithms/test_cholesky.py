@@ -1,5 +1,6 @@
-"""GPTQ's blocked factorisation: Uᵀ U = J (H + λ mean(diag H) I)⁻¹ J for the upper U it
-returns (J reverses the order), across several blocks, after dampening retries too."""
+"""GPTQ's factorisation: Gᵀ G = J (H + λ mean(diag H) I) J for the lower G that the feedback
+matrix F it returns stands for (G_kk = F_kk, G_kp = -F_pk G_kk for p < k; J reverses the
+order), across several blocks, after dampening retries too."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ import torch
 from ptq.algorithms import cholesky, compiled
 
 
-def _check(H: torch.Tensor, U: torch.Tensor, lam: float) -> None:
+def _lower(F: torch.Tensor) -> torch.Tensor:
+    """G (float64) from the feedback matrix F: the Cholesky factor of the reversed H it came from."""
+    F = F.double()
+    return (-F * F.diagonal().unsqueeze(0)).triu(1).t() + torch.diag(F.diagonal())
+
+
+def _check(H: torch.Tensor, F: torch.Tensor, lam: float) -> None:
     n = H.shape[0]
     Hd = H.double() + lam * H.diagonal().double().mean() * torch.eye(n, dtype=torch.float64)
-    expected = torch.linalg.inv(Hd).flip((0, 1))
-    assert torch.equal(U, U.triu())
-    assert float((U.double().t() @ U.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+    expected = Hd.flip((0, 1))
+    assert torch.equal(F, F.triu()) and bool((F.diagonal() > 0).all())
+    G = _lower(F)
+    assert float((G.t() @ G - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
 @pytest.fixture(params=["compiled", "compiled blocks", "torch"])
@@ -37,12 +45,12 @@ def route(request, monkeypatch):
 # (1000: four of torch's blocks and chunks, two compiled ones; the last partial). compiled:
 # whole blocks of 32 rows, or a last one padded (100, 700, 1000)
 @pytest.mark.parametrize("n", [100, 256, 700, 1000])
-def test_inverse_factor(n, route):
+def test_feedback_factor(n, route):
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (3 * n)
-    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
+    F, lam, reason = cholesky.feedback(H.clone(), 0.01)
     assert (lam, reason) == (0.01, None)
-    _check(H, U, lam)
+    _check(H, F, lam)
 
 
 @pytest.mark.parametrize("n", [600, 1000])  # torch: LAPACK on one thread; blocked, the original kept in the upper triangle
@@ -54,9 +62,9 @@ def test_indefinite_matrix_retries_with_more_dampening(n, route):
     eigenvalues = torch.rand(n, generator=g) + 0.1
     eigenvalues[:3] = -0.5
     H = (Q * eigenvalues) @ Q.t()
-    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
+    F, lam, reason = cholesky.feedback(H.clone(), 0.01)
     assert reason is None and lam == 1.0
-    _check(H, U, lam)
+    _check(H, F, lam)
 
 
 def test_no_dampening_is_enough(route):
@@ -64,45 +72,58 @@ def test_no_dampening_is_enough(route):
     # indefinite up to the last retry, λ = 1
     H = torch.eye(300)
     H[0, 1] = H[1, 0] = 10.0
-    U, lam, reason = cholesky.inverse_cholesky(H.clone(), 0.01)
-    assert U is None and lam == 1.0 and reason == "Cholesky of the Hessian failed with dampening up to 1"
+    F, lam, reason = cholesky.feedback(H.clone(), 0.01)
+    assert F is None and lam == 1.0 and reason == "Cholesky of the Hessian failed with dampening up to 1"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_blocked_inverse_says_whether_every_entry_is_finite(threads):
-    n = 600  # three blocks, the last partial
-    L = torch.eye(n) + torch.randn(n, n, generator=torch.Generator().manual_seed(1)).tril(-1) * 0.01
-    inverse = L.clone()
-    assert cholesky.inverse_lower_(inverse, threads)
-    expected = torch.linalg.inv(L.double())
-    assert float((inverse.tril().double() - expected).abs().max()) < 1e-5
-    # entries of L⁻¹ that grow as 1000^k overflow float32 within a few rows
-    steep = torch.eye(n) + torch.full((n, n), -1e3).tril(-1)
-    assert not cholesky.inverse_lower_(steep.clone(), threads)
+@pytest.mark.parametrize("n", [1, 31, 100])
+def test_the_feedback_copy_gives_the_compiled_copys_bits_and_says_whether_it_is_finite(n):
+    # torch's feedback_of_ (GPU, LAPACK and blocked paths) against linalg.c's ptq_feedback_copy
+    # on the same factor, padded as the compiled Cholesky leaves it
+    g = torch.Generator().manual_seed(n)
+    L = torch.randn(n, n, generator=g).tril(-1) + torch.diag(torch.rand(n, generator=g) + 0.1)
+    F = L.clone()
+    F[torch.ones(n, n, dtype=torch.bool).triu(1)] = 5.0  # not read
+    assert cholesky.feedback_of_(F)
+    m = torch.arange(n - 1, -1, -1)
+    expected = -(L[m][:, m] / L.diagonal()[m])  # F[p, k] = -(L[m, b] / L[b, b])
+    expected = expected.triu(1) + torch.diag(L.diagonal()[m])
+    assert torch.equal(F, expected)
+    if compiled.linalg_available():
+        padded = -(-n // 32) * 32
+        A = torch.eye(padded)
+        A[:n, :n] = L
+        out = torch.empty(n, n)
+        assert compiled.library()[0].ptq_feedback_copy(A.data_ptr(), padded, n, out.data_ptr()) == 0
+        assert torch.equal(out, F)
+    if n > 1:  # a tiny pivot: an entry above float32's range
+        L[0, 0], L[n - 1, 0] = 1e-30, 1e30
+        assert not cholesky.feedback_of_(L.clone())
 
 
 @pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled blocks need the compiled library and AVX-512")
 @pytest.mark.parametrize("n", [1100, 1025])  # three blocks of cholesky.COMPILED_BLOCK rows, the last partial or of one row
 def test_compiled_blocks_keep_the_upper_triangle_and_the_bits_on_any_thread_count(n):
+    # their factor: L in A's lower triangle
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(2))
     H = x.t() @ x / (2 * n) + torch.eye(n) * 0.01
     results = []
     for threads in (1, 2, 3):
         A = H.clone()
         A[torch.ones(n, n, dtype=torch.bool).triu(1)] = 7.0  # what the factorisation must leave alone
-        assert cholesky.blocked_inverse_cholesky_(A, threads)
+        assert cholesky.blocked_cholesky_(A, threads)
         assert bool((A.triu(1) == torch.full((n, n), 7.0).triu(1)).all())
         results.append(A.tril())
     assert all(torch.equal(results[0], other) for other in results[1:])
-    expected = torch.linalg.inv(torch.linalg.cholesky(H.double()))
+    expected = torch.linalg.cholesky(H.double())
     assert float((results[0].double() - expected).abs().max() / expected.abs().max()) < 1e-5
     # not positive definite: a negative pivot in the last block
     A = H.clone()
     A[n - 1, n - 1] = -1.0
-    assert not cholesky.blocked_inverse_cholesky_(A, 2)
+    assert not cholesky.blocked_cholesky_(A, 2)
 
 
-# 100, 700: on one thread; 1000: the Cholesky's updates and the inverse's tiles shared by the threads
+# 100, 700: on one thread; 1000: the Cholesky's updates shared by the threads
 @pytest.mark.parametrize("n", [100, 700, 1000])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_an_order_followed_as_it_is_copied_in_gives_the_reordered_copys_bits(n, threads):
@@ -120,8 +141,8 @@ def test_an_order_followed_as_it_is_copied_in_gives_the_reordered_copys_bits(n, 
     copy.diagonal().copy_(diagonal)
     if not cholesky.takes_order(H):
         pytest.skip(f"{n} rows: not the compiled factorisation here")
-    expected = cholesky.inverse_cholesky(copy, 0.01, threads)
+    expected = cholesky.feedback(copy, 0.01, threads)
     kept = H.clone()
-    got = cholesky.inverse_cholesky(H, 0.01, threads, order=order, diagonal=diagonal)
+    got = cholesky.feedback(H, 0.01, threads, order=order, diagonal=diagonal)
     assert torch.equal(H, kept)  # not changed
     assert got[1:] == expected[1:] and torch.equal(got[0], expected[0])

@@ -207,6 +207,33 @@ def test_scale_dtype_is_kept():
             assert qw.scale.dtype == scale_dtype and qw.zero.dtype == torch.int8
 
 
+@pytest.mark.parametrize("actorder", ["none", "static"])
+def test_the_papers_algorithm_with_the_inverse_gives_the_same_codes(actorder):
+    """ptq feeds each column's error against the original weight forward along the feedback
+    matrix, from H's Cholesky factor (cholesky's docstring); Algorithm 1 of the paper feeds
+    the scaled error along the rows of H⁻¹'s upper Cholesky factor. In float64, column by
+    column, with the scales ptq chose, the paper's loop gives the same codes (up to
+    roundings near a code's edge: float32 against float64) and the same loss."""
+    W, _, H = _problem(seed=11)
+    args = _args(4, None)
+    result = gptq(W, H, args, scale_dtype=torch.float32, actorder=actorder, scales="original", observer="minmax")
+    diag = H.diagonal()
+    order = torch.argsort(diag, descending=True, stable=True) if actorder == "static" else torch.arange(len(diag))
+    Hd = H.double() + result.damp * diag.double().mean() * torch.eye(len(diag), dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.linalg.inv(Hd[order][:, order]), upper=True)  # [in, in]
+    scale = result.weight.scale.double()  # [out, 1]
+    Wp = W.double()[:, order].clone()  # [out, in] in processing order
+    codes, loss = torch.empty_like(Wp), 0.0
+    for j in range(Wp.shape[1]):
+        codes[:, j] = (Wp[:, j : j + 1] / scale).round().clamp(args.qmin, args.qmax).squeeze(1)
+        e = (Wp[:, j] - codes[:, j] * scale.squeeze(1)) / U[j, j]  # [out]
+        loss += float(e.square().sum()) / 2
+        Wp[:, j + 1 :] -= e.unsqueeze(1) * U[j, j + 1 :]
+    same = (result.weight.q[:, order].double() == codes).float().mean()
+    assert same >= 0.999
+    assert result.error == pytest.approx(loss, rel=1e-4)
+
+
 def test_block_size_does_not_change_the_result():
     """Lazy batch updates are exact: blocks shorter than a group, or cutting through groups,
     give the same rounding (up to float summation order) as one block over all columns."""

@@ -103,7 +103,7 @@ def test_compiled_factorisation_says_what_failed(threads, monkeypatch):
 @needs_gemm
 @pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 33, 5), (8, 32, 128), (61, 100, 128), (300, 480, 64)])
 def test_gemm_subtract_against_float64(m, n, k):
-    # A a transposed view (GPTQ passes Hinv's rows as columns); sums within 2e-6 of C's and
+    # A a transposed view (GPTQ passes F's rows as columns); sums within 2e-6 of C's and
     # the products' largest magnitude (float32 rounds each of k fused multiply-adds)
     g = torch.Generator().manual_seed(m * 1000 + n)
     C, A, B = torch.randn(m, n, generator=g), torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)

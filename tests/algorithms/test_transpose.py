@@ -136,12 +136,12 @@ def test_the_torch_steps_give_the_compiled_moves_bits(monkeypatch):
     def steps():
         mirrored = cholesky.mirror_triangle_(H.clone())
         Hr = cholesky._reordered(mirrored, order.flip(0))
-        Hinv, damp, failure = cholesky.inverse_cholesky(Hr.clone(), 0.01)
+        F, damp, failure = cholesky.feedback(Hr.clone(), 0.01)
         kept = Hr.clone()
         cholesky.mirror_triangle_(kept, to_upper=True)
         restored = kept.clone()
         cholesky.mirror_triangle_(restored)
-        return mirrored, Hr, Hinv, kept, restored, cholesky.flip_(Hr.clone())
+        return mirrored, Hr, F, kept, restored, cholesky.flip_(Hr.clone())
 
     fast = steps()
     for name in ("mirror_", "reverse_"):
