@@ -151,8 +151,8 @@ def feedback_of_(L: Tensor) -> bool:
 def on_one_thread(H: Tensor) -> bool:
     """Whether feedback factors H in one piece (a CPU matrix of at most SMALL rows,
     or compiled_rows() where the compiled factorisation runs: from compiled.CHOLESKY_ROWS
-    and INVERSE_ROWS rows up its pieces are taken by whichever threads come, the calling
-    one alone if no other is free), so that work may run beside it. Decided by the size
+    rows up its pieces are taken by whichever threads come, the calling one alone if no
+    other is free), so that work may run beside it. Decided by the size
     alone, never by the thread count: the bits stay the same."""
     return H.device.type == "cpu" and (H.shape[0] <= SMALL or _compiled(H))
 
@@ -199,7 +199,7 @@ def _lapack_feedback(H: Tensor, diag: Tensor) -> Tensor | None:
     not finite."""
     damped = H.clone()
     damped.diagonal().copy_(diag)
-    with cpu_threads(1) if H.device.type == "cpu" else contextlib.nullcontext():
+    with cpu_threads(1):
         L, info = torch.linalg.cholesky_ex(damped)  # [n, n] lower; reads the lower triangle
     if int(info) != 0:
         return None

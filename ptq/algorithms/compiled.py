@@ -43,7 +43,7 @@ _TRANSPOSES = {  # (source dtype's size, target's) -> transpose.c's function; 2 
     (1, 1): "ptq_transpose_8", (2, 2): "ptq_transpose_16", (4, 4): "ptq_transpose_32", (2, 4): "ptq_transpose_bf16_f32",
 }
 TRANSPOSE_TASK = 1 << 18  # elements of the target per task at least (smaller copies: one task)
-INVERSE_ROWS = 768  # from this many rows, inverse_cholesky's L⁻¹ is shared by threads (below: one)
+INVERSE_ROWS = 768  # from this many rows, inverse_of_factor's L⁻¹ is shared by threads (below: one)
 CHOLESKY_ROWS = 768  # and the Cholesky's updates (ptq_cholesky_shared)
 
 
@@ -293,8 +293,8 @@ class QuadraticForm:
 
 
 def linalg_available() -> bool:
-    """Whether inverse_cholesky runs here (the library is built and the CPU has AVX-512, or
-    AVX2 and FMA)."""
+    """Whether the compiled factorisation runs here (the library is built and the CPU has
+    AVX-512, or AVX2 and FMA)."""
     return linalg_kind() is not None
 
 

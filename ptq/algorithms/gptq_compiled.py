@@ -82,8 +82,8 @@ class BlockLoop:
         group, first, members = group.long().contiguous(), first.long().contiguous(), members.long().contiguous()
         importance = importance.float().contiguous()
         self._keep = (group, first, members, importance, candidates)  # alive while C reads them
+        assert W0.shape == Wt.shape == Qt.shape, "W0 and Qt: Wt's shape"
         for t in (Wt, W0, Qt, scale) + (() if zero is None else (zero,)):
-            assert t.shape[-1] == Wt.shape[1], "the loop's rows of R elements"
             assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
         self._slices = row_slices(Wt.shape[1], threads)
         self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2 and the loss's place
@@ -128,7 +128,7 @@ class BlockLoop:
 
         tasks = [functools.partial(rows, k, r0, r1) for k, (r0, r1) in enumerate(self._slices)]
         if any(cpu_parallel(tasks, len(tasks))):
-            raise MemoryError("the compiled GPTQ loop ran out of memory for a group's columns")
+            raise MemoryError("the compiled GPTQ loop ran out of memory (a group's columns, a slice's sums)")
         return losses.sum() / 2
 
 
