@@ -49,8 +49,12 @@ class QuantLinear(nn.Module):
         scale_dtype: torch.dtype,
         has_g_idx: bool = False,
         device: torch.device | str | None = None,
+        zeroed: bool = True,
     ):
+        """zeroed=False: the buffers are left unset (torch.empty) for a caller that fills or
+        replaces every one (from_quantized)."""
         super().__init__()
+        new = torch.zeros if zeroed else torch.empty
         self.in_features, self.out_features = in_features, out_features
         self.scheme = scheme
         self.actorder: str | None = None  # GPTQ activation order, recorded in the checkpoint config
@@ -65,17 +69,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=scale_dtype, device=device))
         if scheme.format == "pack-quantized":
             words = packed_width(in_features, args.num_bits)
-            self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, device=device))
+            self.register_buffer("weight_packed", new(out_features, words, dtype=torch.int32, device=device))
             self.register_buffer("weight_shape", torch.tensor([out_features, in_features], device=device))
             if not args.symmetric:
                 zero_words = packed_width(out_features, args.num_bits)
-                zero = torch.zeros(zero_words, groups, dtype=torch.int32, device=device)
+                zero = new(zero_words, groups, dtype=torch.int32, device=device)
                 self.register_buffer("weight_zero_point", zero)
         else:
             dtype = torch.float8_e4m3fn if args.type == "float" else torch.int8
-            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
+            self.register_buffer("weight", new(out_features, in_features, dtype=dtype, device=device))
         if has_g_idx:
-            self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32, device=device))
+            self.register_buffer("weight_g_idx", new(in_features, dtype=torch.int32, device=device))
         acts = scheme.input_activations
         if acts is not None and not acts.dynamic:
             self.register_buffer("input_scale", torch.ones(1, dtype=scale_dtype, device=device))
@@ -100,6 +104,7 @@ class QuantLinear(nn.Module):
             scale_dtype=qw.scale.dtype,
             has_g_idx=qw.g_idx is not None,
             device=linear.weight.device,
+            zeroed=False,  # each buffer is filled below
         )
         module.weight_scale.copy_(qw.scale.reshape(module.weight_scale.shape))
         if scheme.format == "pack-quantized":

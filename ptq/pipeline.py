@@ -10,13 +10,14 @@ describing what was done. Nothing here prints (progress bars aside).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ptq import cpu_attention, moe
 from ptq.algorithms import compiled
@@ -31,7 +32,7 @@ from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, batch_size_for, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
 from ptq.coverage import Coverage, coverage
-from ptq.devices import compute_dtype_for, cpu_settings, torch_ops_on_one_thread
+from ptq.devices import compute_dtype_for, cpu_budget, cpu_parallel, cpu_settings, torch_ops_on_one_thread
 from ptq.distributed import rank, sample_share, share_from, world_size
 from ptq.errors import PtqError
 from ptq.kv import calibrate_kv, check_kv_model, use_kv_cache
@@ -102,9 +103,19 @@ def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:
 
 @torch.no_grad()
 def check_finite(model: nn.Module) -> None:
-    for name, param in model.named_parameters():
-        # min and max propagate NaN and show Inf, without a temporary as large as the weight
-        if param.is_floating_point() and param.numel() and not torch.isfinite(torch.stack(param.aminmax())).all():
+    """Raise PtqError naming the model's first weight that holds a NaN or an Inf. The CPU's
+    weights are checked side by side, one thread each (cpu_parallel): torch's min-max over
+    one weight on two threads took longer than on one (a SmolLM2-shaped model, 135M bf16
+    weights on a 2-core Xeon: 89 ms on two threads, 63 on one, 35 split over both)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point() and p.numel()]
+
+    def finite(param: Tensor) -> bool:  # min and max show NaN and Inf, with no temporary as large as the weight
+        return bool(torch.isfinite(torch.stack(param.aminmax())).all())
+
+    on_cpu = [p for _, p in params if p.device.type == "cpu"]
+    found = iter(cpu_parallel([functools.partial(finite, p) for p in on_cpu], cpu_budget()))
+    for name, param in params:
+        if not (next(found) if param.device.type == "cpu" else finite(param)):
             raise PtqError(f"model weight '{name}' contains NaN or Inf; the source model is broken")
 
 
