@@ -1,8 +1,11 @@
 """The compiled GPTQ column loop (gptq_loop.c) against the torch loop it replaces on a CPU.
 
 Both do the same float32 steps; the torch loop's rank-1 updates may fuse a multiply-add
-(MKL) where the compiled loop never does, so rounding decisions may differ near ties:
-codes agree but for at most 0.1%, the GPTQ loss within 1e-4. The compiled loop's own bits
+(MKL) where the compiled loop never does, so rounding decisions may differ near ties, and a
+flipped code sends the rest of its row down another path: codes agree but for at most 0.1%,
+at most 1% of the rows differ at all, each within 5% of the torch loop's loss, and the total
+GPTQ losses differ by those rows alone (one row of 200 flipped on a 2-core AMD EPYC without
+AMX: 47 codes, 1.8% of that row's loss, 1.0e-4 of the total). The compiled loop's own bits
 do not depend on how many threads share its rows.
 """
 
@@ -58,10 +61,27 @@ def test_the_compiled_loop_was_built():
 def test_compiled_loop_matches_the_torch_loop(case, monkeypatch):
     compiled, W, H = _solve(case, "compiled", monkeypatch)
     reference, _, _ = _solve(case, "torch", monkeypatch)
-    assert (compiled.weight.q != reference.weight.q).float().mean() <= 1e-3
+    differ = compiled.weight.q != reference.weight.q  # [out, in]
+    assert differ.float().mean() <= 1e-3
     assert (compiled.weight.scale != reference.weight.scale).float().mean() <= 1e-3
-    assert compiled.error == pytest.approx(reference.error, rel=1e-4)
+    # a near-tie flip sends its row down another path for the rest of its columns: at most 1%
+    # of the rows, each within 5% of the torch loop's loss there; the rest agree code for code,
+    # so the two losses differ by the flipped rows' differences alone
+    rows = differ.any(1) | (compiled.weight.scale != reference.weight.scale).any(1)  # [out]
+    assert rows.float().mean() <= 0.01
+    ours, theirs = _row_losses(compiled, W, H)[rows], _row_losses(reference, W, H)[rows]  # [flipped]
+    assert torch.allclose(ours, theirs, rtol=0.05, atol=0)
+    flipped = float((ours - theirs).abs().sum())
+    assert abs(compiled.error - reference.error) <= flipped + 1e-5 * reference.error
     _assert_consistent(compiled, W, H, requantize=case[6] < 8 or case[1])
+    _assert_consistent(reference, W, H, requantize=case[6] < 8 or case[1])
+
+
+def _row_losses(result, W, H) -> torch.Tensor:
+    """½ e H_d eᵀ for each row e of W − Ŵ, in float64: [out]."""
+    E = (W - result.weight.dequantize().float()).double()  # [out, in]
+    Hd = (H + result.damp * H.diagonal().mean() * torch.eye(H.shape[0])).double()  # [in, in]
+    return 0.5 * ((E @ Hd) * E).sum(1)
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=["sym", "asym"])
