@@ -1,5 +1,11 @@
 """What the benchmark's runs produced, beside how fast: the checkpoint's bits and perplexity.
 
+One calibration draw decides little: two GPTQs of one model that differ only in rounding
+near ties (the float32 steps of one algorithm written two ways) move the bundled model's
+perplexity by a few hundredths either way, as much as ptq and llm-compressor differ. The
+perplexity goal is therefore judged on the mean over several draws of the calibration
+tokens (draw_rows), each draw's numbers printed beside it.
+
 ptq promises the same bits for the same inputs whatever the thread count or timing (its
 CPU work is split so that no sum depends on which thread finishes first), so every run of
 a case, quiet or beside busy processes, must give one digest; a case with more than one is
@@ -45,3 +51,12 @@ def bits_rows(digests: dict[tuple[str, str], list[str]]) -> list[tuple[str, str,
         measured = f"{len(found)} runs{shown}"
         rows.append((f"ptq {method}: the same bits in every run, {name}", measured, len(distinct) == 1))
     return rows
+
+
+def draw_rows(name: str, draws: list[tuple[float, float]]) -> list[tuple[str, str, bool]]:
+    """The perplexity goal from (ptq's, llm-compressor's) perplexity on each calibration
+    draw: the means compared, with how many draws ptq was at or below."""
+    mine, theirs = (sum(pair[i] for pair in draws) / len(draws) for i in (0, 1))
+    wins = sum(ours <= others for ours, others in draws)
+    return [(f"perplexity <= llm-compressor's, {name} (mean of {len(draws)} draws)",
+             f"{mine:.3f} vs {theirs:.3f}, {wins} of {len(draws)}", mine <= theirs)]

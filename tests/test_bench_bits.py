@@ -34,3 +34,17 @@ def test_bits_rows_fail_on_two_digests(monkeypatch):
     rows = bits.bits_rows({("bundled", "gptq"): ["aaa", "aaa", "aaa"], ("smollm2", "gptq"): ["aaa", "bbb", "aaa"]})
     assert rows == [("ptq gptq: the same bits in every run, bundled", "3 runs, aaa", True),
                     ("ptq gptq: the same bits in every run, smollm2", "3 runs: aaa, bbb", False)]
+
+
+def test_the_perplexity_goal_compares_the_means_of_the_draws(monkeypatch):
+    bits = load_script("bench_bits", monkeypatch)
+    draws = [(79.988, 79.948), (79.857, 80.242), (79.795, 80.081)]  # ptq's, llm-compressor's
+    [(goal, measured, met)] = bits.draw_rows("bundled", draws)
+    assert goal == "perplexity <= llm-compressor's, bundled (mean of 3 draws)"
+    assert measured == "79.880 vs 80.090, 2 of 3" and met
+    [(_, measured, met)] = bits.draw_rows("bundled", [(80.0, 79.9), (80.1, 80.2), (80.3, 80.0)])
+    assert measured == "80.133 vs 80.033, 1 of 3" and not met
+    [(_, _, met)] = bits.draw_rows("bundled", [(80.0, 80.0)])  # a tie is met
+    assert met
+    [(_, measured, met)] = bits.draw_rows("bundled", [(80.0, float("nan"))])  # a failed run is no win
+    assert not met and measured == "80.000 vs nan, 0 of 1"
