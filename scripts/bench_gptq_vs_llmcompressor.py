@@ -44,10 +44,10 @@ Phases, each printing a table:
    seeds, scripts/bench_bits.py): one draw moves both tools by a few hundredths.
 Then each goal of issue 15 with its measured ratio, met or not met (perplexity: the means
 over the draws), and whether every ptq run of a case (quiet and loaded) saved the same bits
-(scripts/bench_bits.py). On a VM each timed run records the share of the CPU the hypervisor took from it (steal:
-scripts/vm_steal.py), the tables the largest of a row's runs (`stolen`); a timed run that
-lost more than --max-steal is run again, up to --steal-retries times: the goals are a quiet
-machine's.
+(scripts/bench_bits.py). On a VM each timed run records the share of the CPU the hypervisor
+took from it (steal: scripts/vm_steal.py), the tables the largest of a row's runs (`stolen`);
+a timed run that lost more than --max-steal is run again, up to --steal-retries times: the
+goals are a quiet machine's.
 
 --no-fast-bf16 runs every worker as on a CPU without fast bf16 matmuls (oneDNN off,
 ATEN_CPU_CAPABILITY=avx2): ptq's rule then picks float32.
