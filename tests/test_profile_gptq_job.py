@@ -3,7 +3,6 @@
 import torch
 
 from ptq import pipeline
-from ptq.calibration import sequential
 from ptq.models import bundled_model_path
 from tests.conftest import REPO, load_script
 
