@@ -14,7 +14,6 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +30,7 @@ from ptq.calibration.resume import BlockStore, restore_blocks
 from ptq.calibration.observers import AbsMaxObserver, HessianObserver, Observers
 from ptq.calibration.runner import BlockRun, BlockWeights, Inputs, batch_size_for, run_blocks
 from ptq.calibration.sequential import Stages, execution_stages, quantize_block_sequentially
-from ptq.coverage import Coverage, coverage
+from ptq.coverage import coverage
 from ptq.devices import compute_dtype_for, cpu_budget, cpu_parallel, cpu_settings, torch_ops_on_one_thread
 from ptq.distributed import rank, sample_share, share_from, world_size
 from ptq.errors import PtqError
@@ -42,38 +41,10 @@ from ptq.openmp import LONG_SPIN_NOTE, spins_long
 from ptq.moe_policy import check_experts_scheme, natural_key, router_notes, router_safe
 from ptq.targets import matches
 from ptq.recipe import AWQStep, GPTQStep, Recipe, WeightStep, load_recipe
+from ptq.report import QuantizationReport
 from ptq.smoothing import smooth_block_
 from ptq.stage_solve import install as install_solved
 from ptq.stage_solve import gather_rows, replace_linear, rows_split, solve_shared_input
-
-
-@dataclass
-class QuantizationReport:
-    recipe: Recipe
-    checkpoint_dtype: torch.dtype  # dtype of the source weights: scales and kept tensors use it
-    compute_dtype: torch.dtype
-    device: str = "cpu"  # the type of device the work ran on
-    coverage: Coverage | None = None  # share of the parameters quantized; large weights left as they are
-    cpu: dict = field(default_factory=dict)  # ptq.devices.cpu_settings() when a CPU run started
-    layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)  # where the time went, seconds
-    smoothing: dict[str, str] = field(default_factory=dict)  # "block: pair" -> what was applied
-    calibration_data: str | None = None  # what data= was, when not the recipe's source (the model card)
-
-    def add_time(self, what: str, seconds: float) -> None:
-        self.timings[what] = self.timings.get(what, 0.0) + seconds
-
-    def settings(self) -> dict:
-        """What decided the bits besides the recipe and the data: recorded in the checkpoint."""
-        settings = {
-            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
-            "checkpoint_dtype": str(self.checkpoint_dtype).removeprefix("torch."),
-            "device": self.device,
-        }
-        settings.update(self.cpu)
-        return settings
 
 
 def select_linears(model: nn.Module, step: WeightStep) -> dict[str, nn.Linear]:

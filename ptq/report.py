@@ -6,7 +6,8 @@ import re
 import resource
 import sys
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,42 @@ from torch import nn
 from ptq.checkpoint.writer import stored_tensors
 from ptq.evaluate import EvalResult
 from ptq.modules import QuantLinear
+
+if TYPE_CHECKING:  # annotations only: the recipe and coverage modules import more of ptq
+    from ptq.coverage import Coverage
+    from ptq.recipe import Recipe
+
+
+@dataclass
+class QuantizationReport:
+    """What ptq.quantize did to a model (model.ptq_report): the recipe, the dtypes, how each
+    Linear was quantized, what was left out or fell back, and where the time went."""
+
+    recipe: Recipe
+    checkpoint_dtype: torch.dtype  # dtype of the source weights: scales and kept tensors use it
+    compute_dtype: torch.dtype
+    device: str = "cpu"  # the type of device the work ran on
+    coverage: Coverage | None = None  # share of the parameters quantized; large weights left as they are
+    cpu: dict = field(default_factory=dict)  # ptq.devices.cpu_settings() when a CPU run started
+    layers: dict[str, str] = field(default_factory=dict)  # Linear name -> how it was quantized
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # where the time went, seconds
+    smoothing: dict[str, str] = field(default_factory=dict)  # "block: pair" -> what was applied
+    calibration_data: str | None = None  # what data= was, when not the recipe's source (the model card)
+
+    def add_time(self, what: str, seconds: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + seconds
+
+    def settings(self) -> dict:
+        """What decided the bits besides the recipe and the data: recorded in the checkpoint."""
+        settings = {
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "checkpoint_dtype": str(self.checkpoint_dtype).removeprefix("torch."),
+            "device": self.device,
+        }
+        settings.update(self.cpu)
+        return settings
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ and per solved weight [out, in] (q/k/v stacked, o, gate/up stacked, down):
 
 - Cholesky of the [in, in] Hessian, in³/3 FLOPs, at the faster of potrf's rate on that
   size and ptq's compiled Cholesky's (linalg.c, where it runs: the size at most
-  cholesky.compiled_rows(), its updates on all threads from compiled.CHOLESKY_ROWS rows;
+  cholesky.compiled_rows(), its updates on all threads from compiled_cholesky.CHOLESKY_ROWS rows;
   above, its compiled blocks on all threads where the compiled GEMM runs). GPTQ as the
   paper writes it also inverts the factor (another in³/3): ptq's feedback form needs no
   inverse (ptq.algorithms.cholesky), so the floor leaves it out; floor_of(inverse=True)

@@ -109,16 +109,16 @@ class Rates:
     def compiled_cholesky(self, n: int) -> float:
         """ptq's compiled Cholesky of [n, n] (the part of GPTQ's factorisation that counts:
         cholesky.feedback's copy of the factor is n² moves), as n³/3 FLOPs: in one piece
-        (linalg.c: its updates from compiled.CHOLESKY_ROWS rows on all threads) up to
+        (linalg.c: its updates from compiled_cholesky.CHOLESKY_ROWS rows on all threads) up to
         cholesky.compiled_rows() rows, above in compiled blocks on all threads
         (cholesky.blocked_cholesky_, where the compiled GEMM runs); 0 where neither runs."""
-        from ptq.algorithms import cholesky, compiled
+        from ptq.algorithms import cholesky, compiled_cholesky
 
         if n <= cholesky.compiled_rows():
             def make_whole():
                 H = _positive_definite(n)
                 diag = H.diagonal().clone()
-                return lambda: compiled.cholesky(H, diag, threads=torch.get_num_threads())
+                return lambda: compiled_cholesky.cholesky(H, diag, threads=torch.get_num_threads())
 
             return self._rate(("compiled cholesky", n), n**3 / 3, make_whole)
         if not cholesky.compiled_blocks(torch.empty(0)):
@@ -131,20 +131,21 @@ class Rates:
         return self._rate_in_place(("compiled blocks", n), n**3 / 3, make_blocks)
 
     def compiled_inverse(self, n: int) -> float:
-        """ptq's compiled inverse of a Cholesky factor of [n, n] (compiled.inverse_of_factor: its
-        tiles on all threads from compiled.INVERSE_ROWS rows), as n³/3 FLOPs, up to
+        """ptq's compiled inverse of a Cholesky factor of [n, n]
+        (compiled_cholesky.inverse_of_factor: its tiles on all threads from
+        compiled_cholesky.INVERSE_ROWS rows), as n³/3 FLOPs, up to
         cholesky.compiled_rows() rows; 0 above or where it does not run. Only for the floor as
         the issue first defined it (GPTQ with H⁻¹'s factor; ptq's factorisation no longer
         inverts anything)."""
-        from ptq.algorithms import cholesky, compiled
+        from ptq.algorithms import cholesky, compiled_cholesky
 
         if n > cholesky.compiled_rows():
             return 0.0
 
         def make():
             H = _positive_definite(n)
-            A = compiled.cholesky(H, H.diagonal().clone())
-            return lambda: compiled.inverse_of_factor(A, n, threads=torch.get_num_threads())
+            A = compiled_cholesky.cholesky(H, H.diagonal().clone())
+            return lambda: compiled_cholesky.inverse_of_factor(A, n, threads=torch.get_num_threads())
 
         return self._rate(("compiled inverse", n), n**3 / 3, make)
 

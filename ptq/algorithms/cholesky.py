@@ -28,9 +28,9 @@ the blocks: 576 rows 4.3 against 6.3 ms), as independent of the thread count. On
 with AVX-512, matrices of up to COMPILED rows take ptq's compiled Cholesky (linalg.c)
 instead: on an AMD EPYC, where MKL runs its AVX2 code, 5-6 times LAPACK's one thread (576
 rows 0.95 against 5.3 ms, 768 2.2 against 14, 1536 18.5 against 93, Cholesky and inverse
-then). From compiled.CHOLESKY_ROWS rows up its updates are shared by the threads (a 2-core
-Xeon with AMX: 1536 rows 8.1-8.5 ms on two threads against 13 on one); the same bits on
-any count. On a CPU with AVX2 and FMA but not AVX-512 the same code in narrower tiles (the
+then). From compiled_cholesky.CHOLESKY_ROWS rows up its updates are shared by the threads
+(a 2-core Xeon with AMX: 1536 rows 8.1-8.5 ms on two threads against 13 on one); the same
+bits on any count. On a CPU with AVX2 and FMA but not AVX-512 the same code in narrower tiles (the
 same bits) takes matrices of up to SMALL rows: on a 2-core AMD EPYC (Zen 3) 576 rows
 2.7-5.8 against LAPACK's 12-14 ms, 768 rows 12 against 28 (with the inverses); from 1024
 rows the blocked path on two threads is faster there. Above COMPILED rows on a CPU with
@@ -54,7 +54,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ptq.algorithms import compiled
+from ptq.algorithms import compiled, compiled_cholesky
 from ptq.devices import cpu_budget, cpu_parallel, cpu_threads
 
 MAX_DAMP = 1.0  # dampening retries stop at this fraction of the mean diagonal
@@ -150,10 +150,10 @@ def feedback_of_(L: Tensor) -> bool:
 
 def on_one_thread(H: Tensor) -> bool:
     """Whether feedback factors H in one piece (a CPU matrix of at most SMALL rows,
-    or compiled_rows() where the compiled factorisation runs: from compiled.CHOLESKY_ROWS
-    rows up its pieces are taken by whichever threads come, the calling one alone if no
-    other is free), so that work may run beside it. Decided by the size
-    alone, never by the thread count: the bits stay the same."""
+    or compiled_rows() where the compiled factorisation runs: from
+    compiled_cholesky.CHOLESKY_ROWS rows up its pieces are taken by whichever threads come,
+    the calling one alone if no other is free), so that work may run beside it. Decided by
+    the size alone, never by the thread count: the bits stay the same."""
     return H.device.type == "cpu" and (H.shape[0] <= SMALL or _compiled(H))
 
 
@@ -179,11 +179,12 @@ def _reordered(H: Tensor, order: Tensor) -> Tensor:
 def _feedback_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads: int,
                     order: Tensor | None = None) -> tuple[Tensor | None, float, str | None]:
     """feedback where on_one_thread says so: the compiled factorisation where it runs
-    (compiled_rows; its Cholesky's updates shared by `threads` from compiled.CHOLESKY_ROWS
-    rows up), else LAPACK's Cholesky on one thread (H is not changed: the damped matrix is
-    a copy). order: as feedback's (the compiled factorisation only)."""
+    (compiled_rows; its Cholesky's updates shared by `threads` from
+    compiled_cholesky.CHOLESKY_ROWS rows up), else LAPACK's Cholesky on one thread (H is not
+    changed: the damped matrix is a copy). order: as feedback's (the compiled factorisation
+    only)."""
     if _compiled(H):
-        feedback_of = functools.partial(compiled.feedback, threads=threads, order=order)
+        feedback_of = functools.partial(compiled_cholesky.feedback, threads=threads, order=order)
     else:
         feedback_of = _lapack_feedback
     for lam in damp_schedule(damp):
@@ -194,9 +195,9 @@ def _feedback_small(H: Tensor, base: Tensor, mean: Tensor, damp: float, threads:
 
 
 def _lapack_feedback(H: Tensor, diag: Tensor) -> Tensor | None:
-    """compiled.feedback by LAPACK's Cholesky on one thread: F from the factor L of H with
-    its diagonal replaced by diag; None when that matrix is not positive definite or F is
-    not finite."""
+    """compiled_cholesky.feedback by LAPACK's Cholesky on one thread: F from the factor L of
+    H with its diagonal replaced by diag; None when that matrix is not positive definite or
+    F is not finite."""
     damped = H.clone()
     damped.diagonal().copy_(diag)
     with cpu_threads(1):
@@ -273,7 +274,7 @@ def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
     rows ran at 183 GFLOP/s, pieces of 512 rows at 245). The same bits as one call: each
     element of C is still its value less its products in order, one rounding each (a later
     piece of A's columns goes on from the sums the earlier one stored)."""
-    (m, n), k = C.shape, A.shape[1]
+    m, k = C.shape[0], A.shape[1]
     depth = min(k, CACHED_COLUMNS)
     rows = max(8, CACHED_FLOATS // depth // 8 * 8)
     for r0 in range(0, m, rows):
@@ -284,8 +285,8 @@ def _gemm_subtract(C: Tensor, A: Tensor, B: Tensor) -> None:
 def blocked_cholesky_(A: Tensor, threads: int) -> bool:
     """cholesky_lower_ (A's lower triangle becomes L; its strict upper triangle is neither
     read nor changed) in COMPILED_BLOCK-wide blocks of ptq's compiled code (linalg.c): each
-    diagonal block factored and its factor inverted at once (compiled.cholesky,
-    compiled.inverse_of_factor), and everything else GEMMs (compiled.gemm_subtract) where
+    diagonal block factored and its factor inverted at once (compiled_cholesky.cholesky,
+    compiled_cholesky.inverse_of_factor), and everything else GEMMs (compiled.gemm_subtract) where
     LAPACK's path has triangular solves: the blocks below a diagonal one times its inverse
     factor, then the update of the lower triangle to their right a block column at a time.
     Every task runs on one thread and its pieces are fixed by n, and each element of a
@@ -296,8 +297,8 @@ def blocked_cholesky_(A: Tensor, threads: int) -> bool:
     blocks = list(zip(edges, edges[1:]))
     for k, (k0, k1) in enumerate(blocks):
         diagonal = A[k0:k1, k0:k1]
-        factor = compiled.cholesky(diagonal, diagonal.diagonal())  # reads its lower triangle; [p, p] padded
-        inverse = None if factor is None else compiled.inverse_of_factor(factor, k1 - k0)  # X_kk = L_kk⁻¹
+        factor = compiled_cholesky.cholesky(diagonal, diagonal.diagonal())  # reads its lower triangle; [p, p] padded
+        inverse = None if factor is None else compiled_cholesky.inverse_of_factor(factor, k1 - k0)  # X_kk = L_kk⁻¹
         if inverse is None:
             return False
         _set_lower_(diagonal, factor[: k1 - k0, : k1 - k0])

@@ -4,19 +4,20 @@ The torch loop (gptq._solve) dispatches about ten small ops per column. On the f
 run (H200, a Llama-3-8B-shaped layer: 26,624 columns in four solves) that was 4.6 s of a
 layer's 10.6, almost all of it launches of kernels over one column of a few thousand rows.
 Here one launch runs a block's columns up to the next group fit: rows are independent given
-F (cholesky.feedback), so each program takes a slice of the rows and keeps the block's rows of that slice in
-registers while it rounds the columns one by one and feeds each column's error forward. The
-group fits (a group's scale and zero point, fitted when its first column is reached) stay in
-torch between launches, as do the lazy update after each block (one GEMM) and the loss.
+F (cholesky.feedback), so each program takes a slice of the rows and keeps the block's rows
+of that slice in registers while it rounds the columns one by one and feeds each column's
+error forward. The group fits (a group's scale and zero point, fitted when its first column
+is reached) stay in torch between launches, as do the lazy update after each block (one
+GEMM) and the loss.
 
 Each column is rounded as the torch loop rounds it: t = w / s (IEEE division), + zero,
 clamped, rounded half to even, the code stored; then (t - zero) in the scale dtype times the
 scale, rounded to the scale dtype, is the dequantized value; the error against the original
 weight, w0 - ŵ, moves the block's later columns, and the scaled error (w - ŵ) · pivot goes
-to the loss. The kernel rounds to bf16 with integer bit
-operations (Triton 3.9's interpreter truncates the cast). The updates of the later columns
-round as the compiler contracts them (a fused multiply-add on a GPU; torch's CPU addr_ fuses
-most of its elements too, not all), so the codes can differ from the torch loop's where a
+to the loss. The kernel rounds to bf16 with integer bit operations (Triton 3.9's interpreter
+truncates the cast). The updates of the later columns round as the compiler contracts them
+(a fused multiply-add on a GPU; torch's CPU addr_ fuses most of its elements too, not all),
+so the codes can differ from the torch loop's where a
 value lies within a rounding of a code's edge: tests/kernels/test_gptq_triton.py compares
 codes, scales and loss with the torch loop within stated tolerances.
 

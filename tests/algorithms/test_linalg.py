@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptq.algorithms import compiled
+from ptq.algorithms import compiled, compiled_cholesky
 
 pytestmark = pytest.mark.skipif(not compiled.linalg_available(),
                                 reason="needs the compiled library and AVX-512, or AVX2 and FMA")
 needs_gemm = pytest.mark.skipif(not compiled.gemm_available(), reason="the compiled GEMM needs AVX-512")
+
+
+def _inverse_cholesky(H, diag, narrow=False, threads=1, order=None):
+    """L⁻¹ [n, n] (lower, zeros above) of compiled_cholesky.cholesky's factor (its arguments),
+    by its inverse_of_factor; None when either says no."""
+    A = compiled_cholesky.cholesky(H, diag, narrow, threads, order)
+    return None if A is None else compiled_cholesky.inverse_of_factor(A, H.shape[0], narrow, threads)
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 97, 300])
@@ -24,14 +31,14 @@ def test_compiled_inverse_of_the_factor(n):
     H = x.t() @ x / n
     diag = H.diagonal() * 1.01
     garbage = H.tril() + torch.full((n, n), float("nan")).triu(1)
-    X = compiled.inverse_cholesky(garbage, diag)
+    X = _inverse_cholesky(garbage, diag)
     exact = H.double().clone()
     exact.diagonal().copy_(diag.double())
     expected = torch.linalg.inv(torch.linalg.cholesky(exact))
     assert torch.equal(X, X.tril())
     assert float((X.double() - expected).abs().max() / expected.abs().max()) < 1e-6
-    assert torch.equal(X, compiled.inverse_cholesky(garbage, diag))
-    assert torch.equal(X, compiled.inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
+    assert torch.equal(X, _inverse_cholesky(garbage, diag))
+    assert torch.equal(X, _inverse_cholesky(H.t(), diag))  # a column-major view of the same matrix
 
 
 @pytest.mark.parametrize("narrow", [False, True])
@@ -43,14 +50,14 @@ def test_threads_sharing_the_inverse_give_the_bits_of_one(n, narrow, monkeypatch
     # shorter last one (1120 padded)
     if narrow and compiled.linalg_kind() != "AVX-512":
         pytest.skip("the AVX2 code alone runs here: the default already is it")
-    monkeypatch.setattr(compiled, "INVERSE_ROWS", 0)
-    monkeypatch.setattr(compiled, "CHOLESKY_ROWS", 0)
+    monkeypatch.setattr(compiled_cholesky, "INVERSE_ROWS", 0)
+    monkeypatch.setattr(compiled_cholesky, "CHOLESKY_ROWS", 0)
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (2 * n)
     diag = H.diagonal() * 1.01
-    one = compiled.inverse_cholesky(H, diag, narrow=narrow)
+    one = _inverse_cholesky(H, diag, narrow=narrow)
     for threads in (2, 3):
-        assert torch.equal(compiled.inverse_cholesky(H, diag, narrow=narrow, threads=threads), one), threads
+        assert torch.equal(_inverse_cholesky(H, diag, narrow=narrow, threads=threads), one), threads
     exact = H.double().clone()
     exact.diagonal().copy_(diag.double())
     expected = torch.linalg.inv(torch.linalg.cholesky(exact))
@@ -68,7 +75,7 @@ def test_a_thread_that_comes_late_to_the_shared_cholesky_changes_nothing():
     lib = compiled.library()[0]
     padded = -(-n // 32) * 32
     A, single = torch.empty(padded, padded), torch.empty(padded, padded)
-    P, state = compiled.cholesky_scratch(padded)
+    P, state = compiled_cholesky.cholesky_scratch(padded)
     assert lib.ptq_cholesky_copy(H.data_ptr(), n, n, None, diag.data_ptr(), A.data_ptr()) == 0
     assert lib.ptq_cholesky_shared(A.data_ptr(), padded, P.data_ptr(), state.data_ptr()) == 0
     done = A.clone()
@@ -81,23 +88,23 @@ def test_a_thread_that_comes_late_to_the_shared_cholesky_changes_nothing():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_compiled_factorisation_says_what_failed(threads, monkeypatch):
     # on threads sharing the Cholesky too: every one of them returns (none waits forever)
-    monkeypatch.setattr(compiled, "CHOLESKY_ROWS", 0)
+    monkeypatch.setattr(compiled_cholesky, "CHOLESKY_ROWS", 0)
     n = 70
     H = torch.eye(n)
     H[40, 41] = H[41, 40] = 2.0  # indefinite in rows 40-41: the pivot of row 41 is 1 - 4 < 0
-    assert compiled.inverse_cholesky(H, H.diagonal().clone(), threads=threads) is None
+    assert _inverse_cholesky(H, H.diagonal().clone(), threads=threads) is None
     late = torch.eye(300)
     late[290, 291] = late[291, 290] = 2.0  # in the third group of 128 columns
-    assert compiled.inverse_cholesky(late, late.diagonal().clone(), threads=threads) is None
+    assert _inverse_cholesky(late, late.diagonal().clone(), threads=threads) is None
     nan = torch.eye(n)
     nan[50, 3] = float("nan")
-    assert compiled.inverse_cholesky(nan, nan.diagonal().clone()) is None
+    assert _inverse_cholesky(nan, nan.diagonal().clone()) is None
     # L = I - 64 on the first subdiagonal, exactly L Lᵀ's factor in float32 (pivots 4097 -
     # 64² = 1), but L⁻¹[i, j] = 64^(i - j) overflows float32 beyond 21 rows
     L = torch.eye(n) - 64 * torch.eye(n).roll(1, 0).tril(-1)
     steep = L @ L.t()
-    assert compiled.inverse_cholesky(steep[:21, :21].contiguous(), steep.diagonal()[:21].clone()) is not None
-    assert compiled.inverse_cholesky(steep, steep.diagonal().clone()) is None
+    assert _inverse_cholesky(steep[:21, :21].contiguous(), steep.diagonal()[:21].clone()) is not None
+    assert _inverse_cholesky(steep, steep.diagonal().clone()) is None
 
 
 @needs_gemm
@@ -147,4 +154,4 @@ def test_the_avx2_code_gives_the_bits_of_the_avx512_code(n):
     x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3, n)
     H = x.t() @ x / (2 * n)
     diag = H.diagonal() * 1.01
-    assert torch.equal(compiled.inverse_cholesky(H, diag), compiled.inverse_cholesky(H, diag, narrow=True))
+    assert torch.equal(_inverse_cholesky(H, diag), _inverse_cholesky(H, diag, narrow=True))
