@@ -129,9 +129,13 @@ def feedback(H: Tensor, damp: float, threads: int | None = None, order: Tensor |
             if attempt:
                 mirror_triangle_(H)
             H.diagonal().copy_(base).add_(mean * lam)
-            factored = blocked_cholesky_(H, threads) if compiled_blocks(H) else cholesky_lower_(H, threads)
-            if factored and feedback_of_(H):
+            if not (blocked_cholesky_(H, threads) if compiled_blocks(H) else cholesky_lower_(H, threads)):
+                continue  # H's strict upper triangle still holds the original: retried from it
+            if feedback_of_(H):
                 return H, lam, None  # [in, in] upper
+            # F overwrote the copy a retry would start from (only a factor with entries
+            # that are not finite gets here: more dampening bounds F's by sqrt(n / λ))
+            return None, lam, f"the feedback matrix of the Hessian's Cholesky factor is not finite at dampening {lam:g}"
     return None, lam, f"Cholesky of the Hessian failed with dampening up to {lam:g}"
 
 

@@ -6,8 +6,8 @@
    diagonal block's factor (ptq_inverse_tiles: tiles of columns, shared likewise), and the
    column loop's lazy updates C -= A·B (ptq_gemm_subtract).
 
-   The torch references are ptq/algorithms/cholesky.py (_inverse_cholesky_small: LAPACK's
-   potrf and a triangular solve against the identity, on one thread) and
+   The torch references are ptq/algorithms/cholesky.py (_lapack_feedback: LAPACK's potrf
+   on one thread, then feedback_of_; the tests solve against the identity for the inverse) and
    ptq/algorithms/gptq_compiled.py (an addmm_ per block). On a CPU where MKL runs its AVX2
    code (AMD's), those reached 30, 17 and 90 GFLOP/s on one thread; here the same
    arithmetic runs in tiles of 8 rows x 32 columns of fused multiply-adds (16 accumulators).

@@ -76,6 +76,24 @@ def test_no_dampening_is_enough(route):
     assert F is None and lam == 1.0 and reason == "Cholesky of the Hessian failed with dampening up to 1"
 
 
+def test_a_feedback_matrix_that_is_not_finite_is_no_retry_from_the_overwritten_copy(route, monkeypatch):
+    # above SMALL rows F is made in place of the copy a retry would start from: it says so
+    # and stops, where a retry would factor F's mirror as the Hessian
+    if route == "compiled":
+        pytest.skip("the compiled factorisation copies H: its retries start from H itself")
+    x = torch.randn(2000, 1000, generator=torch.Generator().manual_seed(1))
+    factored = []
+
+    def not_finite(L):  # as feedback_of_ on a factor with an Inf: False
+        factored.append(L)
+        return False
+
+    monkeypatch.setattr(cholesky, "feedback_of_", not_finite)
+    F, lam, reason = cholesky.feedback(x.t() @ x / 2000, 0.01)
+    assert F is None and lam == 0.01 and len(factored) == 1
+    assert reason == "the feedback matrix of the Hessian's Cholesky factor is not finite at dampening 0.01"
+
+
 @pytest.mark.parametrize("n", [1, 31, 100])
 def test_the_feedback_copy_gives_the_compiled_copys_bits_and_says_whether_it_is_finite(n):
     # torch's feedback_of_ (GPU, LAPACK and blocked paths) against linalg.c's ptq_feedback_copy
