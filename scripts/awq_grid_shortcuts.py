@@ -28,31 +28,47 @@ and how bumpy the losses are over the grid: the best against the second best, an
 many pairs' losses have more than one local minimum along the ratio (a bisection could
 stop at the wrong one).
 
+--quality also measures what the shortcuts' choices cost the model: for the full grid and
+each shortcut, AWQ (loss linear, no clipping) then round to nearest on a copy of the model,
+through ptq's own pipeline (each block's statistics after the blocks before it are
+quantized), with each pair's pick replaced by the shortcut's (its candidates' losses row by
+row, as above); then perplexity, KL and top-1 agreement against the original model on the
+bundled held-out text. The table says on how many pairs each run's pick differed from that
+run's full grid, and by how much its loss was higher.
+
 It keeps every pair's Gram matrix until the pass ends (about 12 MB a block on the SmolLM2-shaped
 model): meant for small models, not for an 8B one.
 
     python scripts/awq_grid_shortcuts.py                      # the bundled model
     python scripts/awq_grid_shortcuts.py --model /tmp/ptq-bench-gptq/smollm2 --seq-len 256 --group-size 64
+    python scripts/awq_grid_shortcuts.py --quality             # and the quality each shortcut gives
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 import ptq
+import ptq.smoothing
 from ptq.algorithms import awq
 from ptq.arch import ResolvedMapping, block_mappings, find_blocks
 from ptq.calibration.data import calibration_batches
 from ptq.calibration.observers import HessianObserver, MeanAbsObserver
 from ptq.errors import PtqError
+from ptq.evaluate import eval_windows, evaluate, reference_logits
+from ptq.recipe import parse_recipe
 from ptq.schemes import QuantArgs
 
 Labels = list[tuple[float | None, bool]]  # (ratio, duo) of each candidate: awq.grid_candidates
@@ -245,6 +261,95 @@ def landscape(pairs: list[Pair]) -> str:
             f"{curves}")
 
 
+Shortcut = Callable[[Tensor, Labels], tuple[set[int], float]]
+
+
+@dataclass
+class Picks:
+    """What a run's searches picked against the full grid of the same losses."""
+
+    pairs: int = 0
+    changed: int = 0
+    regrets: list[float] = field(default_factory=list)
+
+
+@contextmanager
+def picked_by(shortcut: Shortcut | None, labels: Labels, picks: Picks) -> Iterator[None]:
+    """Inside, every linear-loss AWQ search of ptq's pipeline takes the shortcut's pick
+    (choose over the candidates it scores, from row_losses of the pair's weights, Gram matrix
+    and candidates) and counts it in picks; None: the full grid, ptq's own choice, untouched."""
+    made = ptq.smoothing.make_linear_loss
+
+    def make(weights, gram, tokens, *, args, scale_dtype=torch.float32):
+        loss = made(weights, gram, tokens, args=args, scale_dtype=scale_dtype)
+        if shortcut is None:
+            return loss
+        tasks, sums, searched = loss.tasks, loss.sums, {}
+
+        def remember(scales: Tensor):
+            searched["scales"] = scales  # [candidates, in]
+            return tasks(scales)
+
+        def picked(results) -> Tensor:  # before any pick is applied: the weights are the searched ones
+            true = sums(results)  # [candidates + 1]
+            rows = row_losses(list(weights), gram, searched["scales"], args, scale_dtype)
+            losses = rows.sum(dim=1)
+            best, pick = choose(losses, set(range(len(labels)))), choose(losses, shortcut(rows, labels)[0])
+            picks.pairs, picks.changed = picks.pairs + 1, picks.changed + (pick != best)
+            picks.regrets.append(float(losses[pick] / losses[best] - 1) if losses[best] > 0 else 0.0)
+            kept = torch.full_like(true, float("inf"))  # awq_choice takes the smallest finite sum
+            kept[[0, pick, -1]] = true[[0, pick, -1]]  # s = 1 (scored by every shortcut) stays the baseline
+            return kept
+
+        loss.tasks, loss.sums = remember, picked
+        return loss
+
+    ptq.smoothing.make_linear_loss = make
+    try:
+        yield
+    finally:
+        ptq.smoothing.make_linear_loss = made
+
+
+def quality_runs(model: nn.Module, tokenizer, scheme: QuantArgs, shortcuts: dict[str, Shortcut], *, samples: int,
+                 seq_len: int, n_grid: int, windows: int | None = 64):
+    """For the full grid and each shortcut: AWQ (loss linear) + RTN of a copy of the model
+    with the shortcut's picks, evaluated against the model on the bundled held-out text
+    (`windows` windows of 512 tokens). Returns [(name, its Picks or None for the full grid,
+    its EvalResult)] and the model's own EvalResult."""
+    weights = {"num_bits": scheme.num_bits, "symmetric": scheme.symmetric, "strategy": scheme.strategy,
+               "group_size": scheme.group_size}
+    recipe = parse_recipe({
+        "calibration": {"samples": samples, "seq_len": seq_len, "seed": 0},
+        "steps": [{"awq": {"n_grid": n_grid, "duo_scaling": True, "clip": False, "loss": "linear"}},
+                  {"rtn": {"scheme": {"weights": weights}, "targets": ["Linear"], "ignore": ["lm_head"]}}]})
+    labels = [(None, False)] + [(i / n_grid, True) for i in range(n_grid)]  # awq.grid_candidates' order
+    held_out = eval_windows(tokenizer, max_windows=windows)
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        reference = reference_logits(model, held_out, Path(folder) / "reference", show_progress=False)
+        for name, shortcut in {"full grid": None, **shortcuts}.items():
+            quantized, picks = copy.deepcopy(model), Picks()
+            with picked_by(shortcut, labels, picks):
+                ptq.quantize(quantized, recipe, tokenizer=tokenizer, show_progress=False)
+            runs.append((name, picks if shortcut else None, evaluate(quantized, held_out, reference=reference,
+                                                                    show_progress=False)))
+    return runs, evaluate(model, held_out, show_progress=False)
+
+
+def quality_table(runs, plain) -> list[str]:
+    """quality_runs' results, a line each."""
+    lines = [f"{'search':20s} {'changed':>9s} {'worst regret':>13s} {'perplexity':>10s} {'KL':>8s} {'top-1':>7s}"]
+    for name, picks, result in runs:
+        changed = f"{picks.changed:>4d} of {picks.pairs:<3d}" if picks else f"{'-':>9s}"
+        worst = f"{100 * max(picks.regrets):12.3f}%" if picks and picks.regrets else f"{'-':>13s}"
+        lines.append(f"{name:20s} {changed} {worst} {result.perplexity:10.3f} {result.kl:8.5f} "
+                     f"{100 * result.top1:6.2f}%")
+    lines.append(f"(the model before quantization: perplexity {plain.perplexity:.3f} on {plain.tokens:,} held-out "
+                 f"tokens, windows of {plain.seq_len})")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder or Hub name (default: the bundled model)")
@@ -252,6 +357,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--n-grid", type=int, default=20)
+    parser.add_argument("--quality", action="store_true",
+                        help="also quantize (AWQ + RTN) with each shortcut's picks and measure perplexity and KL")
     args = parser.parse_args()
     start = time.perf_counter()
     try:
@@ -271,6 +378,13 @@ def main() -> None:
     print(landscape(pairs))
     for line in table(pairs):
         print(line)
+    if args.quality:
+        start = time.perf_counter()
+        runs, plain = quality_runs(model, tokenizer, scheme, SHORTCUTS, samples=args.samples, seq_len=args.seq_len,
+                                   n_grid=args.n_grid)
+        print(f"\nAWQ + RTN through ptq's pipeline with each search's picks ({time.perf_counter() - start:.0f} s):")
+        for line in quality_table(runs, plain):
+            print(line)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """scripts/awq_grid_shortcuts.py: the shortcuts it replays, and its losses against ptq's own search."""
 
+import copy
+
 import pytest
 import torch
 
+import ptq
 from ptq.schemes import QuantArgs
 from tests.conftest import load_script, tiny_model
 
@@ -97,3 +100,28 @@ def test_block_sample_takes_whole_blocks_of_rows(shortcuts):
     scored, cost = shortcuts.rows_shortcut(2, 1, block=32)(rows, GRID[:3])
     assert scored == {0, 1} and cost == 3 * 0.5 + 2
     assert shortcuts.choose(rows.sum(1), scored) == 1
+
+
+def test_quality_runs_quantize_with_the_shortcuts_picks(shortcuts, tokenizer):
+    """--quality: a shortcut that scores every candidate gives the full grid's model to the
+    last bit, and one that scores only s = 1 gives plain RTN's; each run counts the pairs."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=32)
+    every = {"every candidate": lambda rows, labels: (set(range(len(labels))), float(len(labels))),
+             "s = 1 alone": lambda rows, labels: ({0}, 1.0)}
+    runs, plain = shortcuts.quality_runs(model, tokenizer, args, every, samples=4, seq_len=64, n_grid=8, windows=2)
+    (_, none, full), (_, all_picks, same), (_, rtn_picks, rtn) = runs
+    assert none is None and all_picks.pairs == rtn_picks.pairs == 6 and all_picks.changed == 0
+    assert (same.perplexity, same.kl, same.top1) == (full.perplexity, full.kl, full.top1)
+    assert rtn_picks.changed > 0 and full.perplexity != rtn.perplexity  # AWQ scaled some pair on this model
+
+    from ptq.evaluate import eval_windows, evaluate
+    from ptq.recipe import parse_recipe
+
+    plain_rtn = copy.deepcopy(model)
+    weights = {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}
+    ptq.quantize(plain_rtn, parse_recipe({"steps": [{"rtn": {"scheme": {"weights": weights}, "targets": ["Linear"],
+                                                             "ignore": ["lm_head"]}}]}), show_progress=False)
+    assert evaluate(plain_rtn, eval_windows(tokenizer, max_windows=2), show_progress=False).perplexity == rtn.perplexity
+    lines = shortcuts.quality_table(runs, plain)
+    assert len(lines) == 5 and lines[2].split()[2:4] == ["0", "of"] and f"{plain.perplexity:.3f}" in lines[-1]
