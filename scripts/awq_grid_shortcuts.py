@@ -297,8 +297,8 @@ def picked_by(shortcut: Shortcut | None, labels: Labels, picks: Picks) -> Iterat
             best, pick = choose(losses, set(range(len(labels)))), choose(losses, shortcut(rows, labels)[0])
             picks.pairs, picks.changed = picks.pairs + 1, picks.changed + (pick != best)
             picks.regrets.append(float(losses[pick] / losses[best] - 1) if losses[best] > 0 else 0.0)
-            kept = torch.full_like(true, float("inf"))  # awq_choice takes the smallest finite sum
-            kept[[0, pick, -1]] = true[[0, pick, -1]]  # s = 1 (scored by every shortcut) stays the baseline
+            kept = torch.full_like(true, float("inf"))  # awq_choice takes the one finite sum
+            kept[[pick, -1]] = true[[pick, -1]]  # (its RTN baseline is then inf: unused here)
             return kept
 
         loss.tasks, loss.sums = remember, picked

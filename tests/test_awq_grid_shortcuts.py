@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import ptq
+from ptq.evaluate import eval_windows, evaluate
+from ptq.recipe import parse_recipe
 from ptq.schemes import QuantArgs
 from tests.conftest import load_script, tiny_model
 
@@ -114,9 +116,6 @@ def test_quality_runs_quantize_with_the_shortcuts_picks(shortcuts, tokenizer):
     assert none is None and all_picks.pairs == rtn_picks.pairs == 6 and all_picks.changed == 0
     assert (same.perplexity, same.kl, same.top1) == (full.perplexity, full.kl, full.top1)
     assert rtn_picks.changed > 0 and full.perplexity != rtn.perplexity  # AWQ scaled some pair on this model
-
-    from ptq.evaluate import eval_windows, evaluate
-    from ptq.recipe import parse_recipe
 
     plain_rtn = copy.deepcopy(model)
     weights = {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}
