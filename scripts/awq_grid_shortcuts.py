@@ -56,6 +56,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -304,11 +305,8 @@ def picked_by(shortcut: Shortcut | None, labels: Labels, picks: Picks) -> Iterat
         loss.tasks, loss.sums = remember, picked
         return loss
 
-    ptq.smoothing.make_linear_loss = make
-    try:
+    with mock.patch.object(ptq.smoothing, "make_linear_loss", make):
         yield
-    finally:
-        ptq.smoothing.make_linear_loss = made
 
 
 def quality_runs(model: nn.Module, tokenizer, scheme: QuantArgs, shortcuts: dict[str, Shortcut], *, samples: int,

@@ -53,10 +53,16 @@ def bits_rows(digests: dict[tuple[str, str], list[str]]) -> list[tuple[str, str,
     return rows
 
 
+def draw_means(draws: list[tuple[float, float]]) -> tuple[float, float]:
+    """(ptq's, llm-compressor's) mean perplexity over the calibration draws."""
+    mine, theirs = (sum(pair[i] for pair in draws) / len(draws) for i in (0, 1))
+    return mine, theirs
+
+
 def draw_rows(name: str, draws: list[tuple[float, float]]) -> list[tuple[str, str, bool]]:
     """The perplexity goal from (ptq's, llm-compressor's) perplexity on each calibration
     draw: the means compared, with how many draws ptq was at or below."""
-    mine, theirs = (sum(pair[i] for pair in draws) / len(draws) for i in (0, 1))
+    mine, theirs = draw_means(draws)
     wins = sum(ours <= others for ours, others in draws)
     return [(f"perplexity <= llm-compressor's, {name} (mean of {len(draws)} draws)",
              f"{mine:.3f} vs {theirs:.3f}, {wins} of {len(draws)}", mine <= theirs)]

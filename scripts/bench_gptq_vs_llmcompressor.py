@@ -70,7 +70,7 @@ from pathlib import Path
 import ptq  # first: it sets the OpenMP spin count before torch loads (ptq/openmp.py)
 import torch
 
-from bench_bits import bits_rows, draw_rows, perplexity, state_digest
+from bench_bits import bits_rows, draw_means, draw_rows, perplexity, state_digest
 from bench_floor import Floor, Rates, SearchFloor, awq_search_floor, floor_of, transformers_forward
 from bench_under_load import Slowdown, busy_cores, reference_jobs
 from ptq.malloc import keep_freed_memory
@@ -257,7 +257,8 @@ def quality_draws(args, results) -> list[tuple[float, float]]:
     print(f"{'draw':>4} {'ptq (auto)':>12} {f'llmcompressor ({llmc[0]})':>24}")
     for seed, (ours, theirs) in enumerate(draws):
         print(f"{seed:4d} {ours:12.3f} {theirs:24.3f}")
-    print(f"{'mean':>4} {sum(d[0] for d in draws) / len(draws):12.3f} {sum(d[1] for d in draws) / len(draws):24.3f}")
+    mine, theirs = draw_means(draws)
+    print(f"{'mean':>4} {mine:12.3f} {theirs:24.3f}")
     return draws
 
 

@@ -353,25 +353,26 @@ def transposed(src: Tensor, rows: Tensor | None = None, cols: Tensor | None = No
     lib = _moves(src, sizes=(1, 2, 4))
     if lib is None or not (dtype == src.dtype or (src.dtype == torch.bfloat16 and dtype == torch.float32)):
         return None
-    R, C = _indices(rows, src.shape[0]), _indices(cols, src.shape[1])
+    R, C = c_indices(rows, src.shape[0]), c_indices(cols, src.shape[1])
     nj = src.shape[0] if R is None else R.numel()
     ni = src.shape[1] if C is None else C.numel()
     out = torch.empty(ni, nj, dtype=dtype)
     if out.numel() == 0:
         return out
     copy = getattr(lib, _TRANSPOSES[src.element_size(), out.element_size()])
-    pointers = (src.data_ptr(), src.stride(0), _pointer(R), _pointer(C))
+    pointers = (src.data_ptr(), src.stride(0), c_pointer(R), c_pointer(C))
     cpu_parallel([functools.partial(copy, *pointers, i0, i1, nj, out.data_ptr()) for i0, i1 in _ranges(ni, out.numel())],
                  cpu_budget())
     return out
 
 
-def _pointer(t: Tensor | None) -> int | None:
-    """t's data pointer for the C code, None (NULL) for no tensor."""
+def c_pointer(t: Tensor | None) -> int | None:
+    """t's data pointer for the C code, None (NULL) for no tensor (here and in
+    compiled_cholesky)."""
     return None if t is None else t.data_ptr()
 
 
-def _indices(index: Tensor | None, size: int) -> Tensor | None:
+def c_indices(index: Tensor | None, size: int) -> Tensor | None:
     """index as contiguous int64 positions among `size`, checked (the C code reads them as
     they are)."""
     if index is None:
@@ -405,7 +406,7 @@ def gathered(src: Tensor, rows: Tensor, cols: Tensor) -> Tensor | None:
     lib = _moves(src)
     if lib is None:
         return None
-    R, C = _indices(rows, src.shape[0]), _indices(cols, src.shape[1])
+    R, C = c_indices(rows, src.shape[0]), c_indices(cols, src.shape[1])
     out = torch.empty(R.numel(), C.numel(), dtype=src.dtype)
     cpu_parallel([functools.partial(lib.ptq_gather_32, src.data_ptr(), src.stride(0), R.data_ptr(), C.data_ptr(),
                                     i0, i1, C.numel(), out.data_ptr()) for i0, i1 in _ranges(R.numel(), out.numel())],

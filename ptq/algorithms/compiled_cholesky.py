@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ptq.algorithms.compiled import _indices, _pointer, library, linalg_kind
+from ptq.algorithms.compiled import c_indices, c_pointer, library, linalg_kind
 from ptq.devices import cpu_parallel
 
 INVERSE_ROWS = 768  # from this many rows, inverse_of_factor's L⁻¹ is shared by threads (below: one)
@@ -44,16 +44,16 @@ def cholesky(H: Tensor, diag: Tensor, narrow: bool = False, threads: int = 1,
     assert H.dtype == diag.dtype == torch.float32 and H.shape == (n, n) and H.device.type == "cpu"
     lib = library()[0]
     H = H if H.stride(1) == 1 else H.contiguous()
-    diag, R = diag.contiguous(), _indices(order, n)
+    diag, R = diag.contiguous(), c_indices(order, n)
     padded = -(-n // 32) * 32  # n rounded up to linalg.c's BLOCK
     A = torch.empty(padded, padded, dtype=torch.float32)
     if threads > 1 and padded >= CHOLESKY_ROWS and not narrow and linalg_kind() == "AVX-512":
-        status = lib.ptq_cholesky_copy(H.data_ptr(), n, H.stride(0), _pointer(R), diag.data_ptr(), A.data_ptr())
+        status = lib.ptq_cholesky_copy(H.data_ptr(), n, H.stride(0), c_pointer(R), diag.data_ptr(), A.data_ptr())
         P, state = cholesky_scratch(padded)
         shared = functools.partial(lib.ptq_cholesky_shared, A.data_ptr(), padded, P.data_ptr(), state.data_ptr())
         status = status or max(cpu_parallel([shared] * threads, threads))
     else:
-        status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), _pointer(R), diag.data_ptr(), A.data_ptr(),
+        status = lib.ptq_cholesky_padded(H.data_ptr(), n, H.stride(0), c_pointer(R), diag.data_ptr(), A.data_ptr(),
                                          int(narrow))
     if status == 3:
         raise MemoryError(f"the compiled Cholesky ran out of memory for {n} rows")

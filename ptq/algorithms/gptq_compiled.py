@@ -84,6 +84,7 @@ class BlockLoop:
         self._keep = (group, first, members, importance, candidates)  # alive while C reads them
         assert W0.shape == Wt.shape == Qt.shape, "W0 and Qt: Wt's shape"
         for t in (Wt, W0, Qt, scale) + (() if zero is None else (zero,)):
+            assert t.shape[-1] == Wt.shape[1], "the loop's rows of R elements"
             assert t.is_contiguous() and t.device.type == "cpu", "the compiled loop takes contiguous CPU tensors"
         self._slices = row_slices(Wt.shape[1], threads)
         self._fixed = (  # ptq_gptq_block's arguments after r0, r1, i1, i2 and the loss's place

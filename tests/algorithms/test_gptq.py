@@ -53,9 +53,15 @@ def _assert_consistent(result: GPTQResult, W, H, requantize: bool = True) -> Non
     assert torch.isfinite(Wq.float()).all()
     if requantize:
         assert torch.equal(quantize(Wq, qw.scale, qw.zero, qw.args, qw.g_idx), qw.q)
-    E = W - Wq.float()  # [out, in]
-    Hd = H + result.damp * H.diagonal().mean() * torch.eye(H.shape[0])  # [in, in]
-    assert result.error == pytest.approx(0.5 * float(((E @ Hd) * E).sum()), rel=1e-4)
+    assert result.error == pytest.approx(float(_row_losses(result, W, H).sum()), rel=1e-4)
+
+
+def _row_losses(result: GPTQResult, W, H) -> torch.Tensor:
+    """The GPTQ loss of each row e of E = W − Ŵ, ½ e H_d eᵀ with H_d the dampened H, in
+    float64: [out]."""
+    E = (W - result.weight.dequantize().float()).double()  # [out, in]
+    Hd = (H + result.damp * H.diagonal().mean() * torch.eye(H.shape[0])).double()  # [in, in]
+    return 0.5 * ((E @ Hd) * E).sum(1)
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])

@@ -24,7 +24,7 @@ from ptq.algorithms.gptq import gptq
 from ptq.recipe import load_recipe
 from ptq.schemes import QuantArgs
 
-from .test_gptq import _assert_consistent, _problem
+from .test_gptq import _assert_consistent, _problem, _row_losses
 
 CASES = [  # group size, symmetric, actorder, scales, observer, scale dtype, bits
     (128, True, "static", "updated", "mse", torch.bfloat16, 4),
@@ -75,13 +75,6 @@ def test_compiled_loop_matches_the_torch_loop(case, monkeypatch):
     assert abs(compiled.error - reference.error) <= flipped + 1e-5 * reference.error
     _assert_consistent(compiled, W, H, requantize=case[6] < 8 or case[1])
     _assert_consistent(reference, W, H, requantize=case[6] < 8 or case[1])
-
-
-def _row_losses(result, W, H) -> torch.Tensor:
-    """½ e H_d eᵀ for each row e of W − Ŵ, in float64: [out]."""
-    E = (W - result.weight.dequantize().float()).double()  # [out, in]
-    Hd = (H + result.damp * H.diagonal().mean() * torch.eye(H.shape[0])).double()  # [in, in]
-    return 0.5 * ((E @ Hd) * E).sum(1)
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=["sym", "asym"])
